@@ -1,0 +1,354 @@
+"""Command-line flags (Megatron-LM names) and all validation, in one place.
+
+`parse_args(argv)` turns flags into a `Config` of plain dataclasses and validates them;
+any inconsistency raises `ConfigError(flag, rule)`, which `pretrain_gpt.py` prints as one
+line and turns into exit code 2. Nothing else in the package parses flags.
+
+Defaults differ from Megatron-LM in one deliberate way: with no flags at all the run is
+the bundled default, a small Llama-style model (RoPE, RMSNorm, SwiGLU, no biases) on the
+Shakespeare corpus in `data/`. A GPT-2 style model is
+`--position-embedding-type learned_absolute --normalization LayerNorm --no-swiglu
+--add-bias-linear`; the start-up log prints the architecture either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED_DATA = os.path.join(REPO_ROOT, "data", "shakespeare_text_document")
+BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "math")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A flag (or file named by a flag) breaks a rule. str() is the one line users see."""
+
+    def __init__(self, flag: str, rule: str):
+        super().__init__(f"{flag}: {rule}")
+        self.flag = flag
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 6
+    hidden_size: int = 384
+    ffn_hidden_size: Optional[int] = None  # None: 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None  # kv heads; None: = num_attention_heads (MHA)
+    kv_channels: Optional[int] = None  # head dim; None: hidden / heads
+    seq_length: int = 256
+    max_position_embeddings: Optional[int] = None  # None: seq_length
+    position_embedding_type: str = "rope"  # rope | learned_absolute
+    rotary_base: float = 10000.0
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    norm_epsilon: float = 1e-5
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    vocab_size: int = 0  # tokenizer vocabulary; set from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    attention_backend: str = "auto"
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        return 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        # Padding depends on the flag only, never on the grid, so every grid builds the same
+        # shapes (and the same initial weights). Grids check divisibility separately.
+        m = self.make_vocab_size_divisible_by
+        return m * math.ceil(self.vocab_size / m)
+
+    def shape_dict(self) -> dict:
+        """What a checkpoint must agree on to be loaded into this model."""
+        d = asdict(self)
+        for k in ("hidden_dropout", "attention_dropout", "attention_backend", "init_method_std"):
+            d.pop(k)
+        d.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.num_kv_heads,
+                 kv_channels=self.head_dim, max_position_embeddings=self.max_positions,
+                 padded_vocab_size=self.padded_vocab_size)
+        return d
+
+
+@dataclass
+class DataConfig:
+    data_path: list = field(default_factory=lambda: [BUNDLED_DATA])
+    split: str = "969,30,1"
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None  # None: <first data prefix>_cache
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: Optional[str] = BUNDLED_TOKENIZER
+    vocab_size: Optional[int] = None  # NullTokenizer / mock data only
+    eod_mask_loss: bool = False
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    train_iters: int = 300
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 30
+    lr_decay_iters: Optional[int] = None  # None: train_iters
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # fp16: static scale; None: dynamic
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None  # None: only at the end when --save is given
+    generate: int = 200  # tokens sampled from the trained model at the end; 0: off
+    generate_prompt: str = ""
+    generate_temperature: float = 0.8
+    generate_top_k: int = 40
+
+
+@dataclass
+class LogConfig:
+    log_interval: int = 10
+    tensorboard_dir: Optional[str] = None
+    metrics_jsonl: Optional[str] = None
+    peak_tflops: Optional[float] = None  # per device; None: table (GPU) or measured (CPU)
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    log: LogConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line and exit code 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
+def _positive(name):
+    def check(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {v}")
+        return v
+    return check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names).",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m, d, t, lg = ModelConfig(), DataConfig(), TrainConfig(), LogConfig()
+    pos = _positive
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=pos("--num-layers"), default=m.num_layers)
+    g.add_argument("--hidden-size", type=pos("--hidden-size"), default=m.hidden_size)
+    g.add_argument("--ffn-hidden-size", type=pos("--ffn-hidden-size"), default=None,
+                   help="default: 4*hidden, or 8*hidden/3 rounded up to 64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=pos("--num-attention-heads"),
+                   default=m.num_attention_heads)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=pos("--num-query-groups"), default=None)
+    g.add_argument("--kv-channels", type=pos("--kv-channels"), default=None,
+                   help="head dimension; default hidden/heads")
+    g.add_argument("--seq-length", type=pos("--seq-length"), default=m.seq_length)
+    g.add_argument("--max-position-embeddings", type=pos("--max-position-embeddings"),
+                   default=None, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
+                   default=m.position_embedding_type)
+    g.add_argument("--rotary-base", type=float, default=m.rotary_base)
+    g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default=m.normalization)
+    g.add_argument("--norm-epsilon", type=float, default=m.norm_epsilon)
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=m.swiglu)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   default=m.add_bias_linear)
+    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=m.hidden_dropout)
+    g.add_argument("--attention-dropout", type=float, default=m.attention_dropout)
+    g.add_argument("--init-method-std", type=float, default=m.init_method_std)
+    g.add_argument("--make-vocab-size-divisible-by", type=pos("--make-vocab-size-divisible-by"),
+                   default=m.make_vocab_size_divisible_by)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=m.attention_backend)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=d.data_path,
+                   help="PREFIX, PREFIX PREFIX..., or W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--split", default=d.split)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=d.tokenizer_type)
+    g.add_argument("--tokenizer-model", default=d.tokenizer_model)
+    g.add_argument("--vocab-size", type=pos("--vocab-size"), default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=pos("--micro-batch-size"), default=t.micro_batch_size)
+    g.add_argument("--global-batch-size", type=pos("--global-batch-size"),
+                   default=t.global_batch_size)
+    g.add_argument("--train-iters", type=pos("--train-iters"), default=t.train_iters)
+    g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--min-lr", type=float, default=t.min_lr)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=t.lr_decay_style)
+    g.add_argument("--lr-warmup-iters", type=int, default=t.lr_warmup_iters)
+    g.add_argument("--lr-decay-iters", type=pos("--lr-decay-iters"), default=None)
+    g.add_argument("--weight-decay", type=float, default=t.weight_decay)
+    g.add_argument("--adam-beta1", type=float, default=t.adam_beta1)
+    g.add_argument("--adam-beta2", type=float, default=t.adam_beta2)
+    g.add_argument("--adam-eps", type=float, default=t.adam_eps)
+    g.add_argument("--clip-grad", type=float, default=t.clip_grad, help="0 disables clipping")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=t.initial_loss_scale)
+    g.add_argument("--min-loss-scale", type=float, default=t.min_loss_scale)
+    g.add_argument("--loss-scale-window", type=pos("--loss-scale-window"),
+                   default=t.loss_scale_window)
+    g.add_argument("--hysteresis", type=pos("--hysteresis"), default=t.hysteresis)
+    g.add_argument("--seed", type=int, default=t.seed)
+    g.add_argument("--eval-interval", type=pos("--eval-interval"), default=t.eval_interval)
+    g.add_argument("--eval-iters", type=int, default=t.eval_iters, help="0 disables evaluation")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=pos("--save-interval"), default=None)
+    g.add_argument("--generate", type=int, default=t.generate,
+                   help="sample this many tokens from the trained model at the end (0: off)")
+    g.add_argument("--generate-prompt", default=t.generate_prompt)
+    g.add_argument("--generate-temperature", type=float, default=t.generate_temperature)
+    g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-jsonl", default=None)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for MFU; default: known GPU table, or a "
+                        "matmul measured at start-up on CPU")
+    return p
+
+
+def _pick(cls, ns):
+    return cls(**{k: getattr(ns, k) for k in cls.__dataclass_fields__ if hasattr(ns, k)})
+
+
+def parse_args(argv=None) -> Config:
+    ns = build_parser().parse_args(argv)
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        raise ConfigError("--num-query-groups", "needs --group-query-attention")
+    if ns.group_query_attention and ns.num_query_groups is None:
+        ns.num_query_groups = 1  # Megatron's default: multi-query attention
+    cfg = Config(model=_pick(ModelConfig, ns), data=_pick(DataConfig, ns),
+                 train=_pick(TrainConfig, ns), log=_pick(LogConfig, ns))
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, flag: str, rule: str):
+    if not ok:
+        raise ConfigError(flag, rule)
+
+
+def validate(cfg: Config):
+    """Every cross-flag rule. Files are checked later, where they are opened."""
+    _validate_model(cfg.model)
+    _validate_train(cfg.train, cfg.model)
+    _validate_data(cfg.data)
+
+
+def _validate_model(m: ModelConfig):
+    if m.kv_channels is None:
+        _require(m.hidden_size % m.num_attention_heads == 0, "--hidden-size",
+                 f"must be divisible by --num-attention-heads "
+                 f"({m.hidden_size} % {m.num_attention_heads} != 0)")
+    _require(m.num_attention_heads % m.num_kv_heads == 0, "--num-attention-heads",
+             f"must be divisible by --num-query-groups "
+             f"({m.num_attention_heads} % {m.num_kv_heads} != 0)")
+    _require(m.num_kv_heads <= m.num_attention_heads, "--num-query-groups",
+             f"must be <= --num-attention-heads ({m.num_kv_heads} > {m.num_attention_heads})")
+    if m.position_embedding_type == "rope":
+        _require(m.head_dim % 2 == 0, "--kv-channels",
+                 f"rope needs an even head dimension, got {m.head_dim}")
+        _require(m.rotary_base > 0, "--rotary-base", f"must be > 0, got {m.rotary_base}")
+    _require(m.seq_length <= m.max_positions, "--seq-length",
+             f"must be <= --max-position-embeddings ({m.seq_length} > {m.max_positions})")
+    for flag, p in (("--hidden-dropout", m.hidden_dropout),
+                    ("--attention-dropout", m.attention_dropout)):
+        _require(0.0 <= p < 1.0, flag, f"must be in [0, 1), got {p}")
+    _require(m.norm_epsilon > 0, "--norm-epsilon", f"must be > 0, got {m.norm_epsilon}")
+    _require(m.init_method_std > 0, "--init-method-std", f"must be > 0, got {m.init_method_std}")
+
+
+def _validate_train(t: TrainConfig, m: ModelConfig):
+    _require(t.global_batch_size % t.micro_batch_size == 0, "--global-batch-size",
+             f"must be divisible by --micro-batch-size "
+             f"({t.global_batch_size} % {t.micro_batch_size} != 0)")
+    _require(not (t.bf16 and t.fp16), "--bf16", "cannot be combined with --fp16")
+    _require(t.lr >= 0, "--lr", f"must be >= 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, "--min-lr", f"must be in [0, --lr], got {t.min_lr}")
+    _require(0 <= t.lr_warmup_iters <= t.train_iters, "--lr-warmup-iters",
+             f"must be in [0, --train-iters], got {t.lr_warmup_iters}")
+    _require(t.lr_decay_iters is None or t.lr_decay_iters > t.lr_warmup_iters,
+             "--lr-decay-iters", "must be > --lr-warmup-iters")
+    _require(t.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {t.weight_decay}")
+    _require(t.clip_grad >= 0, "--clip-grad", f"must be >= 0, got {t.clip_grad}")
+    _require(t.eval_iters >= 0, "--eval-iters", f"must be >= 0, got {t.eval_iters}")
+    _require(t.generate >= 0, "--generate", f"must be >= 0, got {t.generate}")
+    _require(t.generate_temperature > 0, "--generate-temperature", "must be > 0")
+    _require(t.loss_scale is None or t.loss_scale > 0, "--loss-scale", "must be > 0")
+    _require(t.initial_loss_scale >= t.min_loss_scale > 0, "--initial-loss-scale",
+             "must be >= --min-loss-scale > 0")
+    if t.save_interval is not None:
+        _require(t.save is not None, "--save-interval", "needs --save DIR")
+
+
+def _validate_data(d: DataConfig):
+    if d.tokenizer_type == "NullTokenizer":
+        _require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
+    elif not d.mock_data or d.tokenizer_model:
+        _require(d.tokenizer_model is not None, "--tokenizer-model",
+                 f"required with {d.tokenizer_type}")

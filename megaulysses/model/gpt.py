@@ -1,0 +1,180 @@
+"""A plain, single-device GPT (GPT-2 or Llama style). Imports nothing distributed.
+
+Parallelism is applied from outside, as transforms: tensor parallel shards the linears,
+Ulysses swaps each `SelfAttention.core`, pipeline drops the parts a stage does not own
+(`embed`, entries of `layers`, `head` may be None), ZeRO wraps blocks. Parameter names
+(`layers.<global index>....`) never change, so initial values and checkpoints are the same
+on every grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megaulysses.config import ModelConfig
+from megaulysses.model.attention import AttentionCore, sdpa_attention
+from megaulysses.model.layers import MLP, apply_rotary, build_norm, rotary_tables
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                            cfg.num_kv_heads, d)
+        self.q = nn.Linear(h, self.num_heads * d, bias=cfg.add_bias_linear)
+        self.k = nn.Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
+        self.v = nn.Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
+        self.out = nn.Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
+        self.core = core  # (q, k, v, dropout_p) -> out; replaced by the Ulysses wrapper
+        self.dropout = cfg.attention_dropout
+        self.rope = cfg.position_embedding_type == "rope"
+
+    def forward(self, x, rotary, position_ids):  # x [b, s, h]
+        b, s, _ = x.shape
+        # -1 instead of the head count: tensor parallelism leaves a shard of the heads.
+        q = self.q(x).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
+        k = self.k(x).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
+        v = self.v(x).view(b, s, -1, self.head_dim)
+        if self.rope:
+            cos, sin = rotary
+            q = apply_rotary(q, cos, sin, position_ids)
+            k = apply_rotary(k, cos, sin, position_ids)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0)  # [b, s, hq, d]
+        return self.out(y.reshape(b, s, -1))  # [b, s, h]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, core: AttentionCore):
+        super().__init__()
+        self.attn_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.attn = SelfAttention(cfg, core)
+        self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, x, rotary, position_ids):  # [b, s, h]
+        a = self.attn(self.attn_norm(x), rotary, position_ids)
+        x = x + F.dropout(a, self.dropout, self.training)
+        m = self.mlp(self.mlp_norm(x))
+        return x + F.dropout(m, self.dropout, self.training)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position = (nn.Embedding(cfg.max_positions, cfg.hidden_size)
+                         if cfg.position_embedding_type == "learned_absolute" else None)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, tokens, position_ids):  # [b, s] -> [b, s, h]
+        x = self.word(tokens)
+        if self.position is not None:
+            x = x + self.position(position_ids)
+        return F.dropout(x, self.dropout, self.training)
+
+
+class Head(nn.Module):
+    """Final norm and output layer; the output weight is the word embedding when tied."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.output = (nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
+                       if cfg.untie_embeddings_and_output_weights else None)
+
+    def forward(self, x, tied_weight: Optional[torch.Tensor]):  # [b, s, h] -> [b, s, V]
+        x = self.norm(x)
+        if self.output is not None:
+            return self.output(x)
+        return F.linear(x, tied_weight)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, core) for i in range(cfg.num_layers)})
+        self.head = Head(cfg)
+        if cfg.position_embedding_type == "rope":
+            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rotary_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, tokens, position_ids=None, labels=None):
+        """tokens `[b, s]` (or hidden `[b, s, h]` on a later pipeline stage).
+
+        Returns per-token losses `[b, s]` in fp32 when `labels` is given (the trainer
+        reduces them with its loss mask), else logits `[b, s, V]`.
+        """
+        b, s = tokens.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+        x = self.embed(tokens, position_ids) if self.embed is not None else tokens
+        rotary = (self.rope_cos, self.rope_sin)
+        for layer in self.layers.values():
+            x = layer(x, rotary, position_ids)  # [b, s, h]
+        if self.head is None:
+            return x
+        tied = self.embed.word.weight if self.head.output is None else None
+        logits = self.head(x, tied)  # [b, s, V]
+        if labels is None:
+            return logits
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                 reduction="none")
+        return losses.view(b, s)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int):
+        """Initial values from (seed, parameter name, shape) only: equal on every grid.
+
+        Megatron's scheme: normal(0, std) for weights, std/sqrt(2*layers) for the two
+        output projections of each block, zero biases, unit norm weights.
+        """
+        std = self.cfg.init_method_std
+        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                value = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            else:
+                sigma = out_std if name.endswith(("attn.out.weight", "mlp.fc2.weight")) else std
+                value = torch.normal(0.0, sigma, tuple(p.shape), generator=_generator(seed, name))
+            p.copy_(value)
+        if self.rope_cos is not None:
+            cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_positions,
+                                     self.cfg.rotary_base, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def build_model(cfg: ModelConfig, core: AttentionCore, seed: int,
+                device: torch.device = torch.device("cpu")) -> GPT:
+    """Build on the meta device (no memory), materialize on `device`, initialize."""
+    with torch.device("meta"):
+        model = GPT(cfg, core)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
