@@ -118,7 +118,8 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr: float = 2e-4
     lr_decay_style: str = "cosine"
-    lr_warmup_iters: int = 30
+    lr_warmup_iters: Optional[int] = None  # None: --lr-warmup-fraction of the decay iters
+    lr_warmup_fraction: Optional[float] = None  # None (and no iters): 0.1
     lr_decay_iters: Optional[int] = None  # None: train_iters
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -138,6 +139,7 @@ class TrainConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None  # None: only at the end when --save is given
+    exit_interval: Optional[int] = None  # stop (and save) after this iteration
     generate: int = 200  # tokens sampled from the trained model at the end; 0: off
     generate_prompt: str = ""
     generate_temperature: float = 0.8
@@ -235,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=t.lr)
     g.add_argument("--min-lr", type=float, default=t.min_lr)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=t.lr_decay_style)
-    g.add_argument("--lr-warmup-iters", type=int, default=t.lr_warmup_iters)
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay iterations; default 0.1 when "
+                        "--lr-warmup-iters is not given")
     g.add_argument("--lr-decay-iters", type=pos("--lr-decay-iters"), default=None)
     g.add_argument("--weight-decay", type=float, default=t.weight_decay)
     g.add_argument("--adam-beta1", type=float, default=t.adam_beta1)
@@ -256,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=pos("--save-interval"), default=None)
+    g.add_argument("--exit-interval", type=pos("--exit-interval"), default=None,
+                   help="stop after the first iteration divisible by this (saving with --save)")
     g.add_argument("--generate", type=int, default=t.generate,
                    help="sample this many tokens from the trained model at the end (0: off)")
     g.add_argument("--generate-prompt", default=t.generate_prompt)
@@ -330,10 +337,16 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     _require(not (t.bf16 and t.fp16), "--bf16", "cannot be combined with --fp16")
     _require(t.lr >= 0, "--lr", f"must be >= 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, "--min-lr", f"must be in [0, --lr], got {t.min_lr}")
-    _require(0 <= t.lr_warmup_iters <= t.train_iters, "--lr-warmup-iters",
-             f"must be in [0, --train-iters], got {t.lr_warmup_iters}")
-    _require(t.lr_decay_iters is None or t.lr_decay_iters > t.lr_warmup_iters,
-             "--lr-decay-iters", "must be > --lr-warmup-iters")
+    _require(t.lr_warmup_iters is None or t.lr_warmup_fraction is None, "--lr-warmup-fraction",
+             "cannot be combined with --lr-warmup-iters")
+    decay = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_iters is None:
+        frac = 0.1 if t.lr_warmup_fraction is None else t.lr_warmup_fraction
+        _require(0 <= frac <= 1, "--lr-warmup-fraction", f"must be in [0, 1], got {frac}")
+        t.lr_warmup_iters = int(frac * decay)
+    _require(0 <= t.lr_warmup_iters <= decay, "--lr-warmup-iters",
+             f"must be in [0, --lr-decay-iters or --train-iters = {decay}], "
+             f"got {t.lr_warmup_iters}")
     _require(t.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {t.weight_decay}")
     _require(t.clip_grad >= 0, "--clip-grad", f"must be >= 0, got {t.clip_grad}")
     _require(t.eval_iters >= 0, "--eval-iters", f"must be >= 0, got {t.eval_iters}")

@@ -1,0 +1,167 @@
+"""Checkpoints: DCP for model and optimizer, JSON for trainer state, atomic commit.
+
+Layout of `--save DIR`:
+    DIR/iter_0000100/            one committed checkpoint
+        .metadata, *.distcp      torch.distributed.checkpoint (model + optimizer)
+        trainer_state.json       iteration, consumed samples, loss scaler, model shape
+        rng_rank00000.pt         python / numpy / torch (/ cuda) RNG states of each rank
+    DIR/latest_checkpointed_iteration.txt   "100" (Megatron's name for the marker)
+
+A checkpoint is written to DIR/.tmp_iter_0000100 and renamed into place only when
+complete; the marker is replaced atomically after that. A crash mid-save leaves the
+previous checkpoint and marker untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+MARKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(ValueError):
+    """A --load checkpoint is unreadable or does not fit the model. One line for users."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    loss_scaler: dict = field(default_factory=dict)
+
+
+def iteration_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_json(path: str, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_shape: dict,
+                    rank: int = 0):
+    final = iteration_dir(save_dir, state.iteration)
+    tmp = os.path.join(save_dir, ".tmp_" + os.path.basename(final))
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
+        os.makedirs(tmp)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # single process: DCP warns that it runs without a group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    if rank == 0:
+        _write_json(os.path.join(tmp, STATE_FILE),
+                    {"iteration": state.iteration,
+                     "consumed_train_samples": state.consumed_train_samples,
+                     "skipped_iterations": state.skipped_iterations,
+                     "loss_scaler": state.loss_scaler, "model": model_shape})
+        if os.path.exists(final):  # re-saving the same iteration: replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(save_dir, MARKER + ".tmp"), "w") as f:
+            f.write(str(state.iteration))
+        os.replace(os.path.join(save_dir, MARKER + ".tmp"), os.path.join(save_dir, MARKER))
+    log.info("saved checkpoint %s", final)
+
+
+def find_checkpoint(load: str) -> str | None:
+    """The directory to load from `--load`, or None to start from scratch.
+
+    A missing or empty directory means a first run (as in Megatron); a directory with
+    anything in it that is not a readable checkpoint is an error, never a silent restart.
+    """
+    if not os.path.exists(load):
+        log.warning("--load %s does not exist: starting from scratch", load)
+        return None
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load: {load} is not a directory")
+    if os.path.exists(os.path.join(load, STATE_FILE)):
+        return load  # an iter_XXXXXXX directory itself
+    marker = os.path.join(load, MARKER)
+    if os.path.exists(marker):
+        try:
+            iteration = int(open(marker).read().strip())
+        except (OSError, ValueError):
+            raise CheckpointError(f"--load: {marker} is unreadable or not an iteration number")
+        path = iteration_dir(load, iteration)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--load: {marker} names iteration {iteration} but "
+                                  f"{path} does not exist")
+        return path
+    if not os.listdir(load):
+        log.warning("--load %s is empty: starting from scratch", load)
+        return None
+    raise CheckpointError(f"--load: {load} exists but holds no checkpoint "
+                          f"(no {MARKER} and no {STATE_FILE})")
+
+
+def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 0) -> TrainState:
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
+    _check_shape(path, meta.get("model", {}), model_shape)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state_dict = {"model": model_sd, "optim": optim_sd}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state_dict, checkpoint_id=path)
+        rng = torch.load(os.path.join(path, f"rng_rank{rank:05d}.pt"), weights_only=False)
+    except Exception as e:  # DCP raises several types for missing/corrupt shards
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {first}")
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
+                   optim_state_dict=state_dict["optim"])
+    _set_rng_state(rng)
+    log.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
+    return TrainState(iteration=meta["iteration"],
+                      consumed_train_samples=meta["consumed_train_samples"],
+                      skipped_iterations=meta.get("skipped_iterations", 0),
+                      loss_scaler=meta.get("loss_scaler", {}))
+
+
+def _check_shape(path: str, saved: dict, current: dict):
+    for key, value in current.items():
+        if saved.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"--load: {path} was saved with {flag}={saved.get(key)} "
+                                  f"but this run has {value}")

@@ -1,0 +1,136 @@
+"""Throughput, FLOPs, MFU, memory, and where metrics go (console, tensorboard, JSON lines)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from typing import Optional
+
+import torch
+
+from megaulysses.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s per GPU (bf16/fp16 tensor cores; fp32 uses the TF32 figure).
+GPU_PEAK_TFLOPS = {
+    "H200": (989.0, 494.0), "H100": (989.0, 494.0), "A100": (312.0, 156.0),
+    "A10": (125.0, 62.5), "L40S": (362.0, 183.0), "L4": (121.0, 60.0),
+    "V100": (125.0, 15.7), "B200": (2250.0, 1100.0),
+}
+
+
+def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
+    """Megatron-LM's count for one training iteration (forward + backward = 3x forward).
+
+    Per token and layer, forward multiply-adds: attention projections h*(q + 2 kv + q)
+    head channels, scores and weighted sum 2*s*q (full s x s, as Megatron counts),
+    MLP h*f*(3 if gated else 2); plus the logit layer h*V once. FLOPs = 2 x MACs.
+    """
+    h, s, L = m.hidden_size, m.seq_length, m.num_layers
+    q = m.num_attention_heads * m.head_dim
+    kv = m.num_kv_heads * m.head_dim
+    attn = h * (2 * q + 2 * kv) + 2 * s * q
+    mlp = h * m.ffn_size * (3 if m.swiglu else 2)
+    macs_per_token = L * (attn + mlp) + h * m.padded_vocab_size
+    return 3 * 2 * macs_per_token * s * global_batch_size
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """A CPU has no spec sheet here: time a square matmul, the best of a few runs."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up (thread pool, kernel selection)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, (time.perf_counter() - t) / 4)
+    return 2 * n ** 3 / best / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float]) -> float:
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (half, fp32) in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return half if dtype in (torch.bfloat16, torch.float16) else fp32
+        log.warning("unknown GPU %r: pass --peak-tflops for MFU; measuring a matmul", name)
+    return measure_cpu_peak_tflops(dtype) if device.type == "cpu" else _measure_cuda(dtype)
+
+
+def _measure_cuda(dtype):
+    a = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t) / 1e12
+
+
+def memory_stats(device: torch.device) -> dict:
+    """GiB: CUDA allocator figures on GPU; on CPU the process's resident set now and its
+    peak (the kernel's high-water mark, VmHWM), which includes everything the process holds."""
+    if device.type == "cuda":
+        return {"mem_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+                "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    rss = _proc_status_kib("VmRSS")
+    peak = _proc_status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem_rss_gib": rss / 2**20, "mem_peak_gib": peak / 2**20}
+
+
+def _proc_status_kib(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+class MetricsWriter:
+    """Writes each logged record to tensorboard and --metrics-jsonl (rank 0 only)."""
+
+    def __init__(self, tensorboard_dir: Optional[str], jsonl_path: Optional[str],
+                 enabled: bool = True):
+        self.tb = self.jsonl = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self.jsonl = open(jsonl_path, "a")
+
+    def write(self, record: dict):
+        """`record` has an `iteration`; every other numeric entry becomes a scalar."""
+        if self.tb is not None:
+            step = record["iteration"]
+            for k, v in record.items():
+                if k != "iteration" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,251 @@
+"""The training loop: micro-batches, exact loss reduction, clip, step, eval, checkpoints.
+
+Loss contract (the same on every grid): the loss of an iteration is
+sum(token losses * loss mask) / sum(loss mask) over the whole global batch. The token
+count is known before any forward (it only needs the masks), so each micro-batch's
+backward uses the final denominator and the accumulated gradient is exactly the gradient
+of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megaulysses.config import Config
+from megaulysses.data.build import build_datasets, load_tokenizer
+from megaulysses.data.loader import BatchBuilder
+from megaulysses.model.attention import select_backend
+from megaulysses.model.generate import sample
+from megaulysses.model.gpt import build_model, count_parameters
+from megaulysses.training import checkpoint as ckpt
+from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
+                                          memory_stats, peak_tflops)
+from megaulysses.training.optim import (LossScaler, LRSchedule, build_optimizer, set_lr,
+                                        unscale_and_clip)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    tokens: int
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float,
+               device, dtype) -> StepResult:
+    tokens = sum(float(b["loss_mask"].sum()) for b in batches)
+    denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
+    loss_sum = torch.zeros((), device=device)
+    for b in batches:
+        with autocast(device, dtype):
+            losses = model(b["tokens"].to(device), b["position_ids"].to(device),
+                           b["labels"].to(device))  # [b, s] fp32
+        micro_sum = (losses * b["loss_mask"].to(device)).sum()
+        (micro_sum * (scaler.scale / denom)).backward()
+        loss_sum += micro_sum.detach()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad)
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        optimizer.step()
+    scaler.update(overflow=skipped)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(float(loss_sum) / denom, norm, skipped, int(tokens))
+
+
+@torch.no_grad()
+def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype) -> float:
+    """Token-weighted mean loss over `iters` global batches starting at `first_sample`."""
+    model.eval()
+    total, count = 0.0, 0.0
+    for i in range(iters):
+        for b in builder.micro_batches(first_sample + i * builder.gbs):
+            with autocast(device, dtype):
+                losses = model(b["tokens"].to(device), b["position_ids"].to(device),
+                               b["labels"].to(device))
+            total += float((losses * b["loss_mask"].to(device)).sum())
+            count += float(b["loss_mask"].sum())
+    model.train()
+    return total / max(count, 1.0)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = compute_dtype(cfg)
+        self.tokenizer = load_tokenizer(cfg)
+        cfg.model.vocab_size = self.tokenizer.vocab_size
+        train, valid, test = build_datasets(cfg, self.tokenizer.vocab_size)
+        t = cfg.train
+        make = lambda ds: ds and BatchBuilder(ds, t.micro_batch_size, t.global_batch_size,
+                                              eod=self.tokenizer.eod,
+                                              eod_mask_loss=cfg.data.eod_mask_loss)
+        self.train_data, self.valid_data, self.test_data = make(train), make(valid), make(test)
+        name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
+        self.model = build_model(cfg.model, core, t.seed, self.device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, t)
+        self.schedule = LRSchedule(t)
+        self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
+        self.state = ckpt.TrainState()
+        self._log_model(name)
+        if t.load:
+            self._load(t.load)
+
+    def _log_model(self, backend: str):
+        m = self.cfg.model
+        style = (f"{m.position_embedding_type}, {m.normalization}, "
+                 f"{'SwiGLU' if m.swiglu else 'GeLU'}, {'bias' if m.add_bias_linear else 'no bias'}, "
+                 f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings")
+        log.info("model: %d layers, hidden %d, ffn %d, %d heads / %d kv heads, seq %d, "
+                 "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",
+                 m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
+                 m.seq_length, m.vocab_size, m.padded_vocab_size, style,
+                 count_parameters(self.model) / 1e6, backend, self.dtype, self.device)
+
+    def _load(self, load_dir: str):
+        path = ckpt.find_checkpoint(load_dir)
+        if path is None:
+            return
+        self.state = ckpt.load_checkpoint(path, self.model, self.optimizer,
+                                          self.cfg.model.shape_dict())
+        if self.state.loss_scaler and isinstance(self.scaler, LossScaler):
+            self.scaler.load_state_dict(self.state.loss_scaler)
+
+    def save(self):
+        t = self.cfg.train
+        self.state.loss_scaler = self.scaler.state_dict()
+        ckpt.save_checkpoint(t.save, self.model, self.optimizer, self.state,
+                             self.cfg.model.shape_dict())
+
+    def train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl)
+        flops = flops_per_iteration(cfg.model, t.global_batch_size)
+        peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
+        log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",
+                 peak, flops / 1e12)
+        window = _Window()
+        start_iter, t_start = self.state.iteration, time.perf_counter()
+        last_eval = None
+        while self.state.iteration < t.train_iters:
+            set_lr(self.optimizer, self.schedule(self.state.iteration))
+            t0 = time.perf_counter()
+            batches = self.train_data.micro_batches(self.state.consumed_train_samples)
+            r = train_step(self.model, batches, self.optimizer, self.scaler, t.clip_grad,
+                           self.device, self.dtype)
+            window.add(r, time.perf_counter() - t0, t.global_batch_size * cfg.model.seq_length)
+            self.state.iteration += 1
+            self.state.consumed_train_samples += t.global_batch_size
+            self.state.skipped_iterations += int(r.skipped)
+            it = self.state.iteration
+            if it % cfg.log.log_interval == 0 or it == t.train_iters:
+                rec = self._log(window, flops, peak, start_iter, t_start)
+                writer.write(rec)
+                window = _Window()
+            if t.eval_iters and self.valid_data and (it % t.eval_interval == 0
+                                                     or it == t.train_iters):
+                last_eval = self._eval(writer, "valid", self.valid_data,
+                                       (it // t.eval_interval) * t.eval_iters * t.global_batch_size)
+            if t.save and t.save_interval and it % t.save_interval == 0:
+                self.save()
+            if t.exit_interval and it % t.exit_interval == 0 and it < t.train_iters:
+                log.info("--exit-interval %d: stopping after iteration %d", t.exit_interval, it)
+                break
+        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
+            self.save()
+        if t.eval_iters and self.test_data:
+            self._eval(writer, "test", self.test_data, 0)
+        writer.close()
+        return {"iteration": self.state.iteration, "eval_loss": last_eval}
+
+    def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
+        loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
+                        self.dtype)
+        log.info("%s loss at iteration %d: %.4f | ppl %.2f", split, self.state.iteration, loss,
+                 math.exp(min(loss, 50.0)))
+        key = "eval_loss" if split == "valid" else "test_loss"
+        writer.write({"iteration": self.state.iteration, key: loss})
+        return loss
+
+    def _log(self, w: "_Window", flops: float, peak: float, start_iter: int,
+             t_start: float) -> dict:
+        t, it = self.cfg.train, self.state.iteration
+        step_time = w.time / w.steps
+        tokens_per_sec = w.tokens / w.time
+        tflops = flops / step_time / 1e12
+        done = it - start_iter
+        eta = (time.perf_counter() - t_start) / done * (t.train_iters - it)
+        rec = {"iteration": it, "consumed_samples": self.state.consumed_train_samples,
+               "loss": w.loss / w.steps, "lr": self.optimizer.param_groups[0]["lr"],
+               "grad_norm": w.grad_norm / max(1, w.steps - w.skipped),
+               "step_time_s": step_time, "tokens_per_sec": tokens_per_sec,
+               "tflops_per_device": tflops, "mfu": tflops / peak,
+               "skipped_iterations": self.state.skipped_iterations,
+               **memory_stats(self.device)}
+        if isinstance(self.scaler, LossScaler):
+            rec["loss_scale"] = self.scaler.scale
+        log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
+                 "%.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | skipped %d | "
+                 "mem peak %.2f GiB | ETA %s", it, t.train_iters, rec["consumed_samples"],
+                 rec["loss"], rec["lr"], rec["grad_norm"], 1e3 * step_time, tokens_per_sec,
+                 tflops, 100 * rec["mfu"], rec["skipped_iterations"], rec["mem_peak_gib"],
+                 format_duration(eta))
+        return rec
+
+    def generate(self):
+        t = self.cfg.train
+        if not t.generate:
+            return None
+        prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
+        prompt = prompt or [self.tokenizer.eod]  # start of a new document
+        new = sample(self.model, prompt, t.generate, self.cfg.model.seq_length,
+                     self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
+                     seed=t.seed)
+        return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
+
+
+class _NoScaler:
+    scale = 1.0
+
+    def update(self, overflow: bool):
+        pass
+
+    def state_dict(self):
+        return {}
+
+
+class _Window:
+    """Sums over the iterations between two log lines."""
+
+    def __init__(self):
+        self.steps = self.skipped = self.tokens = 0
+        self.loss = self.grad_norm = self.time = 0.0
+
+    def add(self, r: StepResult, seconds: float, tokens: int):
+        self.steps += 1
+        self.skipped += int(r.skipped)
+        self.tokens += tokens  # every token processed, loss-masked or not (as Megatron)
+        self.loss += r.loss
+        self.grad_norm += 0.0 if r.skipped else r.grad_norm
+        self.time += seconds
