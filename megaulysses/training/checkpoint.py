@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
@@ -146,9 +147,9 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state_dict, checkpoint_id=path)
         rng = torch.load(os.path.join(path, f"rng_rank{rank:05d}.pt"), weights_only=False)
-    except Exception as e:  # DCP raises several types for missing/corrupt shards
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {first}")
+    # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
                    optim_state_dict=state_dict["optim"])
     _set_rng_state(rng)
@@ -157,6 +158,16 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
                       consumed_train_samples=meta["consumed_train_samples"],
                       skipped_iterations=meta.get("skipped_iterations", 0),
                       loss_scaler=meta.get("loss_scaler", {}))
+
+
+def _root_cause(e: BaseException) -> str:
+    """One line: the innermost error DCP saw on any rank, else the exception's own text."""
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():  # values are (exception, traceback frames)
+            e = failure[0] if isinstance(failure, tuple) else failure
+            break
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _check_shape(path: str, saved: dict, current: dict):

@@ -41,7 +41,8 @@ def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
 
 def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
     """A CPU has no spec sheet here: time a square matmul, the best of a few runs."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # never the global RNG: resumes must not shift it
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     a @ b  # warm-up (thread pool, kernel selection)
     best = float("inf")
     for _ in range(5):
@@ -65,7 +66,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[flo
 
 
 def _measure_cuda(dtype):
-    a = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    a = torch.ones(8192, 8192, dtype=dtype, device="cuda")
     a @ a
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megaulysses.config import Config
@@ -88,9 +90,17 @@ def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device
     return total / max(count, 1.0)
 
 
+def seed_everything(seed: int):
+    """Dropout and sampling draw from these; initial weights have their own generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        seed_everything(cfg.train.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
         self.tokenizer = load_tokenizer(cfg)

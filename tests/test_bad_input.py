@@ -1,0 +1,104 @@
+"""Bad input: one line on stderr naming the flag (or file) and the rule, exit code 2."""
+
+import os
+import shutil
+import struct
+
+import pytest
+
+from helpers import REPO, TINY, run_subprocess
+
+DATA = os.path.join(REPO, "data", "shakespeare_text_document")
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--hidden-size", "100", "--num-attention-heads", "8"],
+     ["--hidden-size", "divisible by --num-attention-heads"]),
+    (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "3"],
+     ["--num-attention-heads", "--num-query-groups"]),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+     ["--global-batch-size", "divisible by --micro-batch-size"]),
+    (["--seq-length", "512", "--max-position-embeddings", "256"],
+     ["--seq-length", "--max-position-embeddings"]),
+    (["--num-layers", "two"], ["--num-layers", "integer"]),
+    (["--bf16", "--fp16"], ["--bf16"]),
+    (["--split", "1,2,x"], ["--split"]),
+    (["--lr-warmup-iters", "50", "--train-iters", "10"], ["--lr-warmup-iters"]),
+], ids=["heads", "query-groups", "batch", "positions", "int", "precision", "split", "warmup"])
+def test_inconsistent_flags(args, needles):
+    assert_one_line_error(run_subprocess(args), *needles)
+
+
+def test_missing_data_file():
+    proc = run_subprocess(TINY + ["--data-path", "/nonexistent/corpus_text_document"])
+    assert_one_line_error(proc, "--data-path", "/nonexistent/corpus_text_document")
+
+
+def test_missing_tokenizer_file():
+    proc = run_subprocess(TINY + ["--tokenizer-model", "/nonexistent/tok.model"])
+    assert_one_line_error(proc, "--tokenizer-model", "/nonexistent/tok.model")
+
+
+def test_data_vocabulary_larger_than_the_model():
+    proc = run_subprocess(TINY + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
+    assert_one_line_error(proc, "--vocab-size", "4095", "1001")
+
+
+def copy_data(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    for ext in (".bin", ".idx"):
+        shutil.copy(DATA + ext, prefix + ext)
+    return prefix
+
+
+def test_truncated_bin_is_reported_with_its_file(tmp_path):
+    prefix = copy_data(tmp_path)
+    size = os.path.getsize(prefix + ".bin")
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(size - 1000)
+    proc = run_subprocess(TINY + ["--data-path", prefix])
+    assert_one_line_error(proc, "--data-path", prefix + ".bin", "truncated")
+
+
+def test_corrupt_idx_is_reported_with_its_file(tmp_path):
+    prefix = copy_data(tmp_path)
+    with open(prefix + ".idx", "r+b") as f:
+        f.write(struct.pack("<9s", b"NOTMMIDX\x00"))
+    proc = run_subprocess(TINY + ["--data-path", prefix])
+    assert_one_line_error(proc, "--data-path", prefix + ".idx")
+
+
+def test_load_of_unreadable_directory_never_starts_from_scratch(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "notes.txt").write_text("not a checkpoint")
+    proc = run_subprocess(TINY + ["--load", str(tmp_path / "ck")])
+    assert_one_line_error(proc, "--load", "holds no checkpoint")
+    assert "iteration" not in proc.stdout.split("model:")[-1]  # no training happened
+
+
+def test_load_of_corrupt_checkpoint_is_an_error(tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_subprocess(TINY + ["--train-iters", "2", "--eval-iters", "0", "--save", str(ck)])
+    assert proc.returncode == 0, proc.stderr
+    shard = [f for f in os.listdir(ck / "iter_0000002") if f.endswith(".distcp")][0]
+    with open(ck / "iter_0000002" / shard, "r+b") as f:
+        f.truncate(100)
+    proc = run_subprocess(TINY + ["--load", str(ck)])
+    assert_one_line_error(proc, "--load", "corrupt or incomplete")
+
+
+def test_load_with_a_different_model_shape_names_the_flag(tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_subprocess(TINY + ["--train-iters", "2", "--eval-iters", "0", "--save", str(ck)])
+    assert proc.returncode == 0, proc.stderr
+    proc = run_subprocess(TINY + ["--load", str(ck), "--num-layers", "3"])
+    assert_one_line_error(proc, "--load", "--num-layers=2", "3")

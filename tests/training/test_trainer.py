@@ -1,0 +1,88 @@
+"""Whole training runs through pretrain_gpt.main: accumulation, resume, precision, logs."""
+
+import glob
+import math
+import os
+
+import pytest
+import torch
+
+from helpers import read_jsonl, run_inprocess, train_losses
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
+    """gbs 4 as 4 micro-batches of 1 == 1 micro-batch of 4: the loss is the global token
+    mean in both (with --eod-mask-loss the micro-batches hold different token counts)."""
+    one = train_losses(run_inprocess(["--micro-batch-size", "4", "--eod-mask-loss"],
+                                     tmp_path, "mbs4"))
+    four = train_losses(run_inprocess(["--micro-batch-size", "1", "--eod-mask-loss"],
+                                      tmp_path, "mbs1"))
+    assert sorted(one) == list(range(1, 7))
+    for it in one:
+        assert four[it] == pytest.approx(one[it], rel=1e-5), it  # fp32 summation order
+
+
+def test_resume_gives_the_same_losses_bit_for_bit(tmp_path):
+    """Stop at 3 (--exit-interval), resume to 6: iterations 4..6 equal the uninterrupted
+    run exactly (fp32, CPU). Dropout on, so the restored RNG state matters too."""
+    args = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = train_losses(run_inprocess(args, tmp_path, "full"))
+    ck = str(tmp_path / "ck")
+    first = run_inprocess(args + ["--save", ck, "--exit-interval", "3"], tmp_path, "first")
+    assert max(train_losses(first)) == 3
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read() == "3"
+    second = train_losses(run_inprocess(args + ["--load", ck], tmp_path, "second"))
+    assert sorted(second) == [4, 5, 6]  # iteration numbers continue
+    for it in (4, 5, 6):
+        assert second[it] == full[it], it
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path):
+    tb = tmp_path / "tb"
+    recs = run_inprocess(["--tensorboard-dir", str(tb)], tmp_path)
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device",
+                "mfu", "consumed_samples", "mem_peak_gib"):
+        assert all(key in r for r in train), key
+    assert [r["iteration"] for r in evals] == [3, 6]
+    assert train[-1]["consumed_samples"] == 6 * 4
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in train)
+    # Warmup: lr of iteration 1 and 2 is lr*1/2, lr*2/2; then cosine decay to min-lr.
+    assert train[0]["lr"] == pytest.approx(1.5e-3) and train[1]["lr"] == pytest.approx(3e-3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in train])
+    assert len(acc.Scalars("eval_loss")) == 2
+
+
+def test_bf16_trains(tmp_path):
+    recs = train_losses(run_inprocess(["--bf16", "--train-iters", "8"], tmp_path))
+    assert all(math.isfinite(v) for v in recs.values())
+    assert recs[8] < recs[1]
+
+
+def test_fp16_dynamic_loss_scale_skips_overflowing_steps(tmp_path):
+    """A huge initial scale overflows fp16: those steps are skipped, counted and logged,
+    the scale halves (hysteresis 1) until steps go through."""
+    recs = run_inprocess(["--fp16", "--initial-loss-scale", str(2.0 ** 40), "--hysteresis",
+                          "1", "--train-iters", "40", "--lr-warmup-iters", "0"], tmp_path)
+    train = [r for r in recs if "loss" in r]
+    skipped = train[-1]["skipped_iterations"]
+    assert skipped >= 1
+    assert train[-1]["loss_scale"] == 2.0 ** (40 - skipped)
+    assert skipped < 40  # later steps do run
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_checkpoint_files_and_atomic_layout(tmp_path):
+    ck = tmp_path / "ck"
+    run_inprocess(["--save", str(ck), "--save-interval", "3"], tmp_path)
+    assert sorted(os.listdir(ck)) == ["iter_0000003", "iter_0000006",
+                                      "latest_checkpointed_iteration.txt"]
+    files = os.listdir(ck / "iter_0000006")
+    assert ".metadata" in files and "trainer_state.json" in files
+    assert "rng_rank00000.pt" in files
+    assert not glob.glob(str(ck / ".tmp*"))
