@@ -16,8 +16,20 @@ def setup_logging():
                         format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
 
 
+# With no flags at all, the default run also keeps its outputs (issue: a person running
+# it sees curves and a checkpoint). With any flag, nothing is written unless asked for.
+DEFAULT_RUN_OUTPUTS = ["--save", "runs/default/checkpoints",
+                       "--tensorboard-dir", "runs/default/tensorboard",
+                       "--metrics-jsonl", "runs/default/metrics.jsonl"]
+
+
 def main(argv=None) -> int:
     setup_logging()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        argv = DEFAULT_RUN_OUTPUTS
+        logging.info("no flags: the bundled default run (examples/pretrain_shakespeare_default.sh "
+                     "spells out every flag); outputs in runs/default/")
     try:
         cfg = parse_args(argv)
         from megaulysses.training.trainer import Trainer  # heavy imports after flag checks

@@ -114,7 +114,7 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 16
-    train_iters: int = 300
+    train_iters: int = 200
     lr: float = 2e-3
     min_lr: float = 2e-4
     lr_decay_style: str = "cosine"
@@ -134,8 +134,8 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     seed: int = 1234
-    eval_interval: int = 100
-    eval_iters: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 5
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None  # None: only at the end when --save is given
@@ -344,6 +344,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
         frac = 0.1 if t.lr_warmup_fraction is None else t.lr_warmup_fraction
         _require(0 <= frac <= 1, "--lr-warmup-fraction", f"must be in [0, 1], got {frac}")
         t.lr_warmup_iters = int(frac * decay)
+        t.lr_warmup_fraction = None  # resolved into lr_warmup_iters, the one the code reads
     _require(0 <= t.lr_warmup_iters <= decay, "--lr-warmup-iters",
              f"must be in [0, --lr-decay-iters or --train-iters = {decay}], "
              f"got {t.lr_warmup_iters}")

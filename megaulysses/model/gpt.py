@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, sdpa_attention
+from megaulysses.model.fused import linear_cross_entropy
 from megaulysses.model.layers import MLP, apply_rotary, build_norm, rotary_tables
 
 
@@ -98,6 +99,12 @@ class Head(nn.Module):
             return self.output(x)
         return F.linear(x, tied_weight)
 
+    def loss(self, x, labels, tied_weight: Optional[torch.Tensor]):  # -> [b, s] fp32
+        """Per-token cross entropy of forward's logits, without holding all [b, s, V] logits
+        at once (a fused op that works through chunks of tokens)."""
+        weight = self.output.weight if self.output is not None else tied_weight
+        return linear_cross_entropy(self.norm(x), weight, labels)
+
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
@@ -129,12 +136,9 @@ class GPT(nn.Module):
         if self.head is None:
             return x
         tied = self.embed.word.weight if self.head.output is None else None
-        logits = self.head(x, tied)  # [b, s, V]
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                 reduction="none")
-        return losses.view(b, s)
+            return self.head(x, tied)  # logits [b, s, V]
+        return self.head.loss(x, labels, tied)  # [b, s]
 
     @torch.no_grad()
     def init_weights(self, seed: int):

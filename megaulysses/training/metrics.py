@@ -108,7 +108,8 @@ class MetricsWriter:
     """Writes each logged record to tensorboard and --metrics-jsonl (rank 0 only)."""
 
     def __init__(self, tensorboard_dir: Optional[str], jsonl_path: Optional[str],
-                 enabled: bool = True):
+                 append: bool = False, enabled: bool = True):
+        """`append`: a resumed run continues the file; a fresh run starts it anew."""
         self.tb = self.jsonl = None
         if not enabled:
             return
@@ -117,7 +118,7 @@ class MetricsWriter:
             self.tb = SummaryWriter(log_dir=tensorboard_dir)
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self.jsonl = open(jsonl_path, "a")
+            self.jsonl = open(jsonl_path, "a" if append else "w")
 
     def write(self, record: dict):
         """`record` has an `iteration`; every other numeric entry becomes a scalar."""

@@ -150,7 +150,8 @@ class Trainer:
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl)
+        writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl,
+                               append=self.state.iteration > 0)
         flops = flops_per_iteration(cfg.model, t.global_batch_size)
         peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
         log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",

@@ -1,0 +1,174 @@
+"""Fused ops: the plain formulas of the GPT with fewer passes over memory and fewer large
+temporaries. Each is a `torch.autograd.Function` (explicit forward and backward) whose
+results equal the plain PyTorch formulation up to fp32 rounding; tests/model/test_fused_ops.py
+checks each against it.
+
+Why they pay off on CPU: a training step there is ~65% matmul, and most of the rest is
+memory-bound elementwise work. Every pass over a large tensor costs bandwidth, and every
+fresh tensor over malloc's mmap threshold (32 MiB) is returned to the kernel when freed and
+page-faulted again on the next step (a fresh 64 MiB tensor costs ~20 ms of faults here);
+autograd's generic backward formulas allocate such temporaries freely.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ------------------------------------------------------------------------------------------
+# Output layer + cross entropy
+# ------------------------------------------------------------------------------------------
+
+
+def _rows_per_chunk(rows: int, vocab: int, device: torch.device) -> int:
+    # CPU: a chunk of ~8 MiB of fp32 logits stays in the last-level cache for the passes
+    # after its matmul, and is recycled by malloc rather than faulted in afresh each step.
+    # CUDA: the caching allocator makes size irrelevant; chunks only bound peak memory.
+    budget = 2 ** 21 if device.type == "cpu" else 2 ** 28  # elements
+    return max(1, min(rows, budget // vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """losses[i] = logsumexp(x[i] @ W.T) - (x[i] @ W.T)[labels[i]], by chunks of rows.
+
+    The [T, V] logits never exist at once: each chunk's logits are turned into softmax
+    probabilities in place and kept for backward, where they become the logits gradient
+    (softmax - one_hot) * grad in place, then feed the two matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, ignore_index: int):  # x [T, h], weight [V, h]
+        rows = _rows_per_chunk(x.shape[0], weight.shape[0], x.device)
+        valid = labels != ignore_index  # [T]
+        target = torch.where(valid, labels, 0).unsqueeze(1)  # [T, 1]; ignored rows: any id
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # [T]
+        probs = []
+        for i in range(0, x.shape[0], rows):
+            logits = (x[i:i + rows] @ weight.t()).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=1, keepdim=True)  # [c, 1]
+            picked = logits.gather(1, target[i:i + rows])  # [c, 1]
+            torch.sub(lse, picked, out=losses[i:i + rows].unsqueeze(1))
+            probs.append(logits.sub_(lse).exp_())  # softmax, in the logits' memory
+        losses.masked_fill_(~valid, 0.0)
+        ctx.save_for_backward(x, weight, target, valid, *probs)
+        ctx.rows, ctx.done = rows, False
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [T]
+        if ctx.done:
+            raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not "
+                               "supported; its saved probabilities are consumed in place")
+        ctx.done = True
+        x, weight, target, valid, *probs = ctx.saved_tensors
+        rows = ctx.rows
+        g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
+        dx = torch.empty_like(x)  # [T, h]
+        dw = None  # [V, h]
+        for n, p in enumerate(probs):
+            i = n * rows
+            gi = g[i:i + rows]
+            # d loss / d logits = softmax - one_hot(label), times the incoming gradient.
+            p.mul_(gi).scatter_add_(1, target[i:i + rows], -gi)
+            dlogits = p.to(x.dtype)  # [c, V]; a no-op in fp32
+            torch.mm(dlogits, weight, out=dx[i:i + rows])
+            if dw is None:
+                dw = dlogits.t() @ x[i:i + rows]
+            else:
+                dw.addmm_(dlogits.t(), x[i:i + rows])
+        probs.clear()
+        return dx, dw, None, None
+
+
+def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):
+    """Per-token `F.cross_entropy(F.linear(x, weight).float(), labels, reduction="none")`.
+
+    x `[..., h]`, weight `[V, h]`, labels `[...]` -> fp32 losses `[...]`; label
+    `ignore_index` gives loss 0 and no gradient, as in F.cross_entropy. Under autocast the
+    matmuls run in the autocast dtype (as F.linear would), the softmax always in fp32.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    with torch.autocast(device, enabled=False):
+        losses = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight,
+                                           labels.reshape(-1), ignore_index)
+    return losses.view(labels.shape)
+
+
+# ------------------------------------------------------------------------------------------
+# Causal attention by query blocks
+# ------------------------------------------------------------------------------------------
+
+
+class _BlockCausalAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d), causal) v with batched matmuls, one block of queries at a time.
+
+    Query block [i0, i1) only needs keys [0, i1): the blocks above the diagonal are never
+    computed, and each row's softmax is complete within its block (no online rescaling as
+    in flash attention). The probabilities are kept for backward, so backward is plain
+    matmuls too. Inputs are grouped for GQA: q `[N, s * rep, d]` with rows ordered
+    (position, head in group), k and v `[N, s, d]`, N = batch * kv heads.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rep: int, block: int):
+        n, s, d = k.shape
+        q = q * d ** -0.5  # scaling q (s * rep * d) is cheaper than scaling the scores
+        # Row (t, head) of a diagonal block sees keys <= t: its upper triangle is masked.
+        upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1)
+        upper = upper.repeat_interleave(rep, dim=0)  # [block * rep, block]
+        outs, probs = [], []
+        for i0 in range(0, s, block):
+            i1 = min(i0 + block, s)
+            r0, r1 = i0 * rep, i1 * rep
+            scores = torch.bmm(q[:, r0:r1], k[:, :i1].transpose(1, 2))  # [N, (i1-i0)*rep, i1]
+            scores[:, :, i0:].masked_fill_(upper[:r1 - r0, :i1 - i0], float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            outs.append(torch.bmm(p, v[:, :i1]))  # [N, (i1-i0)*rep, d]
+            probs.append(p)
+        # (bmm into a slice of a preallocated output falls back to one matmul per batch.)
+        out = torch.cat(outs, dim=1)  # [N, s * rep, d]
+        ctx.save_for_backward(q, k, v, out, *probs)
+        ctx.rep, ctx.block = rep, block
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # dout [N, s * rep, d]
+        q, k, v, out, *probs = ctx.saved_tensors  # q is already scaled
+        rep, block = ctx.rep, ctx.block
+        n, s, d = k.shape
+        dout = dout.contiguous()
+        # Softmax backward needs rowsum(dP * P), which equals rowsum(dO * O).
+        delta = (dout * out).sum(-1, keepdim=True)  # [N, s * rep, 1]
+        dqs = []
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        for n_blk, i0 in enumerate(range(0, s, block)):
+            i1 = min(i0 + block, s)
+            r0, r1 = i0 * rep, i1 * rep
+            p, do = probs[n_blk], dout[:, r0:r1]  # [N, rows, i1], [N, rows, d]
+            dv[:, :i1] += torch.bmm(p.transpose(1, 2), do)
+            dp = torch.bmm(do, v[:, :i1].transpose(1, 2))  # [N, rows, i1]
+            ds = dp.sub_(delta[:, r0:r1]).mul_(p)  # d scores, in place
+            dqs.append(torch.bmm(ds, k[:, :i1]))
+            dk[:, :i1] += torch.bmm(ds.transpose(1, 2), q[:, r0:r1])
+        dq = torch.cat(dqs, dim=1).mul_(d ** -0.5)  # [N, s * rep, d]
+        return dq, dk, dv, None, None
+
+
+def block_causal_attention(q, k, v, block: int = 64):
+    """Causal attention core on `[b, s, h, d]` (GQA: hq % hkv == 0), no dropout.
+
+    Keeps softmax probabilities of about b * hq * s^2 / 2 elements per layer for backward,
+    so it is meant for moderate s; `cpu_attention` picks it.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    rep = hq // hkv
+    # q head j * rep + r belongs to kv head j (as in math_attention's repeat_interleave).
+    qg = q.view(b, s, hkv, rep, d).transpose(1, 2).reshape(b * hkv, s * rep, d)
+    kg = k.transpose(1, 2).reshape(b * hkv, s, d)
+    vg = v.transpose(1, 2).reshape(b * hkv, s, d)
+    out = _BlockCausalAttention.apply(qg, kg, vg, rep, block)  # [b * hkv, s * rep, d]
+    return out.view(b, hkv, s, rep, d).transpose(1, 2).reshape(b, s, hq, d)
