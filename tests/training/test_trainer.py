@@ -86,3 +86,42 @@ def test_checkpoint_files_and_atomic_layout(tmp_path):
     assert ".metadata" in files and "trainer_state.json" in files
     assert "rng_rank00000.pt" in files
     assert not glob.glob(str(ck / ".tmp*"))
+
+
+def test_mock_data_with_null_tokenizer(tmp_path):
+    recs = train_losses(run_inprocess(["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                       "--vocab-size", "500", "--train-iters", "3"], tmp_path))
+    assert sorted(recs) == [1, 2, 3]
+    # Random tokens: the loss starts near ln(vocab) (501 ids + padding to 512).
+    assert abs(recs[1] - math.log(512)) < 0.5
+
+
+def test_blended_data_paths_and_a_freshly_preprocessed_dataset(tmp_path):
+    """jsonl -> tools/preprocess_data.py -> Megatron .bin/.idx -> blended with the bundled
+    corpus via `--data-path W1 A W2 B` -> trains."""
+    import json
+    import subprocess
+    import sys
+    from helpers import REPO
+    src = tmp_path / "docs.jsonl"
+    with open(src, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"Document {i}: to be, or not to be. " * 8}) + "\n")
+    tok = os.path.join(REPO, "data", "shakespeare_tok.model")
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"),
+                    "--input", str(src), "--output-prefix", str(tmp_path / "mine"),
+                    "--json-keys", "text", "--tokenizer-type", "SentencePieceTokenizer",
+                    "--tokenizer-model", tok, "--append-eod"], check=True, capture_output=True)
+    bundled = os.path.join(REPO, "data", "shakespeare_text_document")
+    recs = train_losses(run_inprocess(["--data-path", "0.3", str(tmp_path / "mine_text_document"),
+                                       "0.7", bundled, "--split", "98,2,0", "--train-iters", "3"],
+                                      tmp_path))
+    assert sorted(recs) == [1, 2, 3] and all(math.isfinite(v) for v in recs.values())
+
+
+def test_math_attention_backend_gives_the_same_losses_as_auto(tmp_path):
+    auto = train_losses(run_inprocess(["--train-iters", "3"], tmp_path, "auto"))
+    ref = train_losses(run_inprocess(["--train-iters", "3", "--attention-backend", "math"],
+                                     tmp_path, "math"))
+    for it in auto:
+        assert auto[it] == pytest.approx(ref[it], rel=1e-5)
