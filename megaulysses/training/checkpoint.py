@@ -126,7 +126,11 @@ def find_checkpoint(load: str) -> str | None:
             raise CheckpointError(f"--load: {marker} names iteration {iteration} but "
                                   f"{path} does not exist")
         return path
-    if not os.listdir(load):
+    try:
+        entries = os.listdir(load)
+    except OSError as e:
+        raise CheckpointError(f"--load: cannot read {load}: {e.strerror}")
+    if not entries:
         log.warning("--load %s is empty: starting from scratch", load)
         return None
     raise CheckpointError(f"--load: {load} exists but holds no checkpoint "
