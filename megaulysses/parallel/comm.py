@@ -1,0 +1,190 @@
+"""Every collective megaulysses issues, in one file, each counted in bytes.
+
+`Comm` wraps the DeviceMesh: it names groups by mesh dim ("dp", "sp", "tp", "pp",
+"dp_sp") and counts the bytes this rank sends per collective kind, so the trainer can log
+them and tests can check them against the formulas. There are no module-level groups:
+whoever needs a collective is handed the `Comm`.
+
+Bytes sent per rank, for a tensor of N bytes in a group of P ranks (what an ideal ring
+or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
+    all_to_all      N (P-1)/P        N = this rank's input
+    all_reduce      2 N (P-1)/P      reduce-scatter + all-gather
+    all_gather      N (P-1)/P        N = the gathered output
+    reduce_scatter  N (P-1)/P        N = the full input
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+import torch
+import torch.distributed as dist
+
+
+class CommStats:
+    """Bytes sent by this rank per collective kind, since the last `pop`."""
+
+    def __init__(self):
+        self.bytes = defaultdict(int)
+
+    def add(self, kind: str, nbytes: float):
+        self.bytes[kind] += int(nbytes)
+
+    def pop(self) -> dict:
+        out = dict(self.bytes)
+        self.bytes.clear()
+        return out
+
+
+class Comm:
+    def __init__(self, mesh=None):
+        self.mesh = mesh
+        self.stats = CommStats()
+
+    def size(self, dim: str) -> int:
+        return 1 if self.mesh is None else self.mesh[dim].size()
+
+    def rank(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh[dim].get_local_rank()
+
+    def group(self, dim: str):
+        return self.mesh[dim].get_group()
+
+    # -- plain collectives (no autograd) --------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor, dim: str, async_op: bool = False):
+        """In place. Sum, never ReduceOp.AVG: AVG has given wrong results on gloo."""
+        p = self.size(dim)
+        if p == 1:
+            return None
+        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
+                               async_op=async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor, dim: str):
+        p = self.size(dim)
+        if p > 1:
+            self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
+
+    def broadcast_object(self, obj, dim: str, src_local_rank: int = 0):
+        """A small Python object from one rank of `dim` to the others (e.g. a decision)."""
+        if self.size(dim) == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.group(dim), src_local_rank)
+        dist.broadcast_object_list(box, src=src, group=self.group(dim))
+        return box[0]
+
+    def barrier(self):
+        if self.mesh is not None:
+            dist.barrier()
+
+    # -- all-to-all with autograd (Ulysses) ---------------------------------------------
+
+    def all_to_all(self, x: torch.Tensor, dim: str, scatter_dim: int, gather_dim: int):
+        """Split `x` into P chunks along `scatter_dim`, send chunk i to rank i, concatenate
+        the received chunks along `gather_dim` in rank order. The backward pass is the
+        same exchange with the two dims swapped."""
+        if self.size(dim) == 1:
+            return x
+        return _AllToAll.apply(x, self, dim, scatter_dim, gather_dim)
+
+    def _all_to_all_raw(self, x, dim: str, scatter_dim: int, gather_dim: int):
+        p = self.size(dim)
+        chunks = [c.contiguous() for c in x.chunk(p, dim=scatter_dim)]
+        send = torch.stack(chunks)  # [P, ...chunk]: the chunk for rank i at index i
+        recv = torch.empty_like(send)
+        self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p)
+        dist.all_to_all_single(recv, send, group=self.group(dim))
+        return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Comm, dim: str, scatter_dim: int, gather_dim: int):
+        ctx.comm, ctx.dim, ctx.dims = comm, dim, (scatter_dim, gather_dim)
+        return comm._all_to_all_raw(x, dim, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        g = ctx.comm._all_to_all_raw(grad.contiguous(), ctx.dim, gather_dim, scatter_dim)
+        return g, None, None, None, None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GradReducer:
+    """Sums gradients over a mesh dim while backward still runs (bucketed, async).
+
+    Each parameter's post-accumulate hook counts it ready; when every parameter of a bucket
+    is ready, the bucket is flattened and an async all-reduce starts. `finish()` launches
+    what is left (parameters that got no gradient count as zeros), waits, and copies the
+    sums back. Only the last micro-batch of a step reduces (`arm()` before its backward):
+    earlier micro-batches just accumulate locally.
+    """
+
+    def __init__(self, params: list, comm: Comm, dim: str, bucket_mb: float = 25.0):
+        self.comm, self.dim = comm, dim
+        self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_mb)
+        self.where = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.armed = False
+        self.ready = [0] * len(self.buckets)
+        self.launched: dict = {}  # bucket index -> (flat tensor, async work)
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self):
+        self.armed = True
+        self.ready = [0] * len(self.buckets)
+
+    def _on_grad(self, p):
+        if self.armed:
+            i = self.where[id(p)]
+            self.ready[i] += 1
+            if self.ready[i] == len(self.buckets[i]):
+                self._launch(i)
+
+    def _launch(self, i: int):
+        flat = torch.cat([_local(q.grad).reshape(-1) for q in self.buckets[i]])
+        self.launched[i] = (flat, self.comm.all_reduce_sum(flat, self.dim, async_op=True))
+
+    def finish(self):
+        for i, bucket in enumerate(self.buckets):
+            if i not in self.launched:
+                for q in bucket:
+                    if q.grad is None:
+                        q.grad = torch.zeros_like(q)
+                self._launch(i)
+        for i, (flat, work) in self.launched.items():
+            if work is not None:
+                work.wait()
+            offset = 0
+            for q in self.buckets[i]:
+                g = _local(q.grad)
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.launched.clear()
+        self.armed = False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _make_buckets(params: list, bucket_mb: float) -> list[list]:
+    """Reverse registration order (roughly the order backward produces grads)."""
+    buckets, current, size = [], [], 0
+    limit = bucket_mb * 2 ** 20
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,82 @@
+"""The grid: ParallelDims(dp, tp, pp, sp) -> one DeviceMesh, passed explicitly.
+
+Mesh dims are ("pp", "dp", "sp", "tp"), tp fastest-varying: consecutive ranks share a tp
+group, then an sp group, so both stay inside a node where the bandwidth is. The flattened
+"dp_sp" dim is the group over which the loss, gradients (and, later, ZeRO) are reduced:
+sequence-parallel ranks hold the same parameters and see different tokens, exactly like
+data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from megaulysses.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    sp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @classmethod
+    def from_world(cls, world: int, tp: int = 1, pp: int = 1, sp: int = 1) -> "ParallelDims":
+        """dp is derived: world / (tp * pp * sp), as in Megatron."""
+        model_parallel = tp * pp * sp
+        if world % model_parallel:
+            raise ConfigError(
+                "--tensor-model-parallel-size/--pipeline-model-parallel-size/"
+                "--ds-sequence-parallel-size",
+                f"their product tp*pp*sp = {tp}*{pp}*{sp} = {model_parallel} must divide "
+                f"the world size {world}")
+        return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
+
+    def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int):
+        """Rules that depend on the grid and the model together (one message each)."""
+        sp_flag = "--ds-sequence-parallel-size"
+        if m.num_attention_heads % (self.tp * self.sp):
+            raise ConfigError(sp_flag, f"--num-attention-heads {m.num_attention_heads} must be "
+                              f"divisible by tp*sp = {self.tp * self.sp}")
+        kv_per_tp = m.num_kv_heads // self.tp if m.num_kv_heads % self.tp == 0 else None
+        if kv_per_tp is None:
+            raise ConfigError("--num-query-groups", f"{m.num_kv_heads} kv heads must be "
+                              f"divisible by --tensor-model-parallel-size {self.tp}")
+        if kv_per_tp % self.sp and self.sp % kv_per_tp:
+            raise ConfigError(sp_flag, f"kv heads per tensor rank ({kv_per_tp}) and sp = "
+                              f"{self.sp} must divide one another (GQA under Ulysses)")
+        if m.seq_length % self.sp:
+            raise ConfigError(sp_flag, f"--seq-length {m.seq_length} must be divisible by "
+                              f"sp = {self.sp}")
+        if global_batch_size % (micro_batch_size * self.dp):
+            raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
+                              f"by --micro-batch-size * dp = {micro_batch_size}*{self.dp}")
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
+                                mesh_dim_names=("pp", "dp", "sp", "tp"))
+        mesh["dp", "sp"]._flatten("dp_sp")
+        return mesh
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    import os
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()

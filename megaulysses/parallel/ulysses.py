@@ -1,0 +1,70 @@
+"""Ulysses sequence parallelism (arXiv 2309.14509) around any attention core.
+
+Each of the P ranks of the "sp" mesh dim holds a slice of the sequence. Before attention
+an all-to-all trades the sequence slice for a slice of the heads, so each rank attends
+over the whole sequence for h/P heads with the unchanged core; a second all-to-all trades
+back. Rotary embedding was applied before, with global positions, so nothing here knows
+about positions.
+
+GQA: kv heads divisible by P are split like q. When P is a multiple of the kv heads,
+each kv head is repeated P/hkv times (not hq/hkv times) before the exchange, so each rank
+receives exactly the one kv head its q heads read.
+
+Bytes sent per rank per layer (forward; backward sends the same again):
+    (q + out)  2 * b*S*hq*d * bytes * (P-1)/P^2
+    (k + v)    2 * b*S*max(hkv, P)*d * bytes * (P-1)/P^2
+MHA (hq = hkv = h/d heads): 4 * b*S*h * bytes * (P-1)/P^2, the paper's 4Nh/P per layer
+up to the (P-1)/P a rank keeps for itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaulysses.model.attention import AttentionCore
+from megaulysses.parallel.comm import Comm
+
+
+class UlyssesAttention:
+    """A drop-in attention core: `(q, k, v, dropout_p) -> out` on sequence shards."""
+
+    def __init__(self, core: AttentionCore, comm: Comm, dim: str = "sp"):
+        self.core, self.comm, self.dim = core, comm, dim
+        self.P = comm.size(dim)
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0):  # q [b, S/P, hq, d], k/v [b, S/P, hkv, d]
+        hkv = k.shape[2]
+        if hkv % self.P:  # P % hkv == 0 (checked at start-up): one kv head per rank
+            rep = self.P // hkv
+            k = k.repeat_interleave(rep, dim=2)  # [b, S/P, P, d]
+            v = v.repeat_interleave(rep, dim=2)
+        q, k, v = (self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
+                   for t in (q, k, v))  # [b, S, h/P, d]
+        out = self.core(q, k, v, dropout_p)  # [b, S, hq/P, d]
+        return self.comm.all_to_all(out, self.dim, scatter_dim=1, gather_dim=2)  # [b, S/P, hq, d]
+
+
+def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
+                            element_size: int) -> int:
+    """Forward all-to-all bytes one rank sends per attention layer (see module doc)."""
+    heads = 2 * hq + 2 * max(hkv, P)
+    return heads * b * S * d * element_size * (P - 1) // (P * P)
+
+
+def apply_ulysses(model, comm: Comm, dim: str = "sp"):
+    """Swap every block's attention core for the Ulysses wrapper (in place)."""
+    if comm.size(dim) == 1:
+        return model
+    for layer in model.layers.values():
+        if layer is not None:
+            layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
+    return model
+
+
+def slice_sequence(t: torch.Tensor, comm: Comm, dim: str = "sp") -> torch.Tensor:
+    """This rank's contiguous slice of dim 1 (the sequence) of a `[b, S, ...]` tensor."""
+    P, r = comm.size(dim), comm.rank(dim)
+    if P == 1:
+        return t
+    n = t.shape[1] // P
+    return t[:, r * n:(r + 1) * n]

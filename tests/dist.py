@@ -1,0 +1,62 @@
+"""Run a function on N real gloo ranks (spawned processes on 127.0.0.1).
+
+`run_ranks(fn, world, *args)` returns [fn(rank, world, *args) for each rank]. A rank that
+raises fails the test with its traceback; a hang fails it after `timeout` seconds instead
+of blocking CI. `fn` must be a module-level function (spawn pickles it by name).
+"""
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription only slows them
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+                break  # the others may now hang waiting for it
+            results[rank] = value
+    except Exception:  # queue.Empty: somebody hung
+        errors.append(f"timeout after {timeout}s; finished ranks: {sorted(results)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
