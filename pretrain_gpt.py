@@ -5,15 +5,23 @@
 """
 
 import logging
+import os
 import sys
 
 from megaulysses.config import ConfigError, parse_args
 from megaulysses.training.checkpoint import CheckpointError
 
 
+def rank() -> int:
+    """This process's global rank, from torchrun's environment (0 when run alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup_logging():
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    # Rank 0 tells the story; the others speak only to warn.
+    logging.basicConfig(level=logging.INFO if rank() == 0 else logging.WARNING,
+                        stream=sys.stdout, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 # With no flags at all, the default run also keeps its outputs (issue: a person running
@@ -21,6 +29,12 @@ def setup_logging():
 DEFAULT_RUN_OUTPUTS = ["--save", "runs/default/checkpoints",
                        "--tensorboard-dir", "runs/default/tensorboard",
                        "--metrics-jsonl", "runs/default/metrics.jsonl"]
+
+
+def _leave_process_group():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -37,8 +51,13 @@ def main(argv=None) -> int:
         trainer.train()
         text = trainer.generate()
     except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Every rank meets the same flags and files, so every rank gets here on its own
+        # (no collective needed) and exits 2; one line is enough, from rank 0.
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _leave_process_group()
     if text is not None:
         print("---- sample from the trained model ----")
         print(text)

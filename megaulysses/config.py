@@ -155,18 +155,27 @@ class LogConfig:
 
 
 @dataclass
+class ParallelConfig:
+    ds_sequence_parallel_size: int = 1  # Ulysses degree P
+
+
+@dataclass
 class Config:
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
     log: LogConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line and exit code 2 (no usage dump)."""
+    """argparse whose errors are ConfigErrors: one line, exit 2, printed by rank 0 only."""
 
     def error(self, message):
-        self.exit(2, f"error: {message}\n")
+        if message.startswith("argument ") and ": " in message:
+            flag, rule = message[len("argument "):].split(": ", 1)
+            raise ConfigError(flag.split("/")[0], rule)
+        raise ConfigError("pretrain_gpt.py", message)
 
 
 def _positive(name):
@@ -174,9 +183,9 @@ def _positive(name):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
         if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {v}")
+            raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
         return v
     return check
 
@@ -269,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--generate-temperature", type=float, default=t.generate_temperature)
     g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
 
+    g = p.add_argument_group("parallelism (data-parallel size = world / (tp*pp*sp))")
+    g.add_argument("--ds-sequence-parallel-size", "--ulysses-degree",
+                   dest="ds_sequence_parallel_size",
+                   type=pos("--ds-sequence-parallel-size"), default=1,
+                   help="Ulysses sequence-parallel degree")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
     g.add_argument("--tensorboard-dir", default=None)
@@ -290,7 +305,8 @@ def parse_args(argv=None) -> Config:
     if ns.group_query_attention and ns.num_query_groups is None:
         ns.num_query_groups = 1  # Megatron's default: multi-query attention
     cfg = Config(model=_pick(ModelConfig, ns), data=_pick(DataConfig, ns),
-                 train=_pick(TrainConfig, ns), log=_pick(LogConfig, ns))
+                 train=_pick(TrainConfig, ns), log=_pick(LogConfig, ns),
+                 parallel=_pick(ParallelConfig, ns))
     validate(cfg)
     return cfg
 

@@ -2,10 +2,12 @@
 
 `run_ranks(fn, world, *args)` returns [fn(rank, world, *args) for each rank]. A rank that
 raises fails the test with its traceback; a hang fails it after `timeout` seconds instead
-of blocking CI. `fn` must be a module-level function (spawn pickles it by name).
+of blocking CI. `fn` must be a module-level function (spawn pickles it by name) and should return plain
+Python or numpy values: torch tensors would travel by shared memory that dies with the rank.
 """
 
 import os
+import queue as queue_module
 import socket
 import traceback
 

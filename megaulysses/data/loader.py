@@ -16,13 +16,14 @@ import torch
 
 class BatchBuilder:
     def __init__(self, dataset, micro_batch_size: int, global_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, eod: Optional[int] = None,
-                 eod_mask_loss: bool = False):
+                 dp_rank: int = 0, dp_size: int = 1, sp_rank: int = 0, sp_size: int = 1,
+                 eod: Optional[int] = None, eod_mask_loss: bool = False):
         per_rank = global_batch_size // dp_size
         assert per_rank * dp_size == global_batch_size and per_rank % micro_batch_size == 0
         self.dataset = dataset
         self.mbs, self.gbs = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.sp_rank, self.sp_size = sp_rank, sp_size
         self.num_micro = per_rank // micro_batch_size
         self.eod, self.eod_mask_loss = eod, eod_mask_loss
 
@@ -40,5 +41,10 @@ class BatchBuilder:
             loss_mask[tokens == self.eod] = 0.0  # Megatron masks where the input is EOD
         b, s = tokens.shape
         position_ids = torch.arange(s).expand(b, s)
-        return {"tokens": tokens.contiguous(), "labels": labels.contiguous(),
-                "loss_mask": loss_mask, "position_ids": position_ids}
+        # Sequence parallel: every sp rank of a dp rank read the same samples; each keeps
+        # its contiguous slice, with global positions (rotary needs them).
+        n = s // self.sp_size
+        keep = slice(self.sp_rank * n, (self.sp_rank + 1) * n)
+        return {"tokens": tokens[:, keep].contiguous(), "labels": labels[:, keep].contiguous(),
+                "loss_mask": loss_mask[:, keep].contiguous(),
+                "position_ids": position_ids[:, keep].contiguous()}

@@ -30,8 +30,8 @@ def _rows_per_chunk(rows: int, vocab: int, device: torch.device) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     """losses[i] = logsumexp(x[i] @ W.T) - (x[i] @ W.T)[labels[i]], by chunks of rows.
 
-    The [T, V] logits never exist at once: each chunk's logits are turned into softmax
-    probabilities in place and kept for backward, where they become the logits gradient
+    The [T, V] logits never exist at once: each chunk's logits are turned into
+    exp(logits - max) in place and kept for backward, where they become the logits gradient
     (softmax - one_hot) * grad in place, then feed the two matmuls.
     """
 
@@ -41,15 +41,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = labels != ignore_index  # [T]
         target = torch.where(valid, labels, 0).unsqueeze(1)  # [T, 1]; ignored rows: any id
         losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # [T]
-        probs = []
+        exps, sums = [], []
         for i in range(0, x.shape[0], rows):
             logits = (x[i:i + rows] @ weight.t()).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=1, keepdim=True)  # [c, 1]
+            # log-sum-exp by hand, in place: torch.logsumexp would allocate a [c, V] temporary
+            top = logits.amax(dim=1, keepdim=True)  # [c, 1]
             picked = logits.gather(1, target[i:i + rows])  # [c, 1]
-            torch.sub(lse, picked, out=losses[i:i + rows].unsqueeze(1))
-            probs.append(logits.sub_(lse).exp_())  # softmax, in the logits' memory
+            e = logits.sub_(top).exp_()  # [c, V], exp(logits - top) in the logits' memory
+            total = e.sum(dim=1, keepdim=True)  # [c, 1]
+            torch.sub(total.log().add_(top), picked, out=losses[i:i + rows].unsqueeze(1))
+            exps.append(e)
+            sums.append(total)
         losses.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(x, weight, target, valid, *probs)
+        # softmax = e / sum(e): backward folds the division into its scaling by the gradient.
+        ctx.save_for_backward(x, weight, target, valid, torch.cat(sums), *exps)
         ctx.rows, ctx.done = rows, False
         return losses
 
@@ -59,23 +64,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not "
                                "supported; its saved probabilities are consumed in place")
         ctx.done = True
-        x, weight, target, valid, *probs = ctx.saved_tensors
+        x, weight, target, valid, sums, *exps = ctx.saved_tensors
         rows = ctx.rows
         g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
+        scale = g / sums  # [T, 1]
         dx = torch.empty_like(x)  # [T, h]
         dw = None  # [V, h]
-        for n, p in enumerate(probs):
+        for n, e in enumerate(exps):
             i = n * rows
-            gi = g[i:i + rows]
             # d loss / d logits = softmax - one_hot(label), times the incoming gradient.
-            p.mul_(gi).scatter_add_(1, target[i:i + rows], -gi)
+            p = e.mul_(scale[i:i + rows]).scatter_add_(1, target[i:i + rows], -g[i:i + rows])
             dlogits = p.to(x.dtype)  # [c, V]; a no-op in fp32
             torch.mm(dlogits, weight, out=dx[i:i + rows])
             if dw is None:
                 dw = dlogits.t() @ x[i:i + rows]
             else:
                 dw.addmm_(dlogits.t(), x[i:i + rows])
-        probs.clear()
+        exps.clear()
         return dx, dw, None, None
 
 

@@ -36,18 +36,20 @@ class CommStats:
 
 
 class Comm:
-    def __init__(self, mesh=None):
-        self.mesh = mesh
+    """`meshes`: ParallelDims.build_mesh()'s dict of named 1-D meshes, or None alone."""
+
+    def __init__(self, meshes: dict | None = None):
+        self.meshes = meshes or {}
         self.stats = CommStats()
 
     def size(self, dim: str) -> int:
-        return 1 if self.mesh is None else self.mesh[dim].size()
+        return self.meshes[dim].size() if dim in self.meshes else 1
 
     def rank(self, dim: str) -> int:
-        return 0 if self.mesh is None else self.mesh[dim].get_local_rank()
+        return self.meshes[dim].get_local_rank() if dim in self.meshes else 0
 
     def group(self, dim: str):
-        return self.mesh[dim].get_group()
+        return self.meshes[dim].get_group()
 
     # -- plain collectives (no autograd) --------------------------------------------------
 
@@ -76,7 +78,7 @@ class Comm:
         return box[0]
 
     def barrier(self):
-        if self.mesh is not None:
+        if self.meshes:
             dist.barrier()
 
     # -- all-to-all with autograd (Ulysses) ---------------------------------------------

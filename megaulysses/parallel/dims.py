@@ -61,11 +61,14 @@ class ParallelDims:
             raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
                               f"by --micro-batch-size * dp = {micro_batch_size}*{self.dp}")
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
+        """{"world": the 4-D mesh, "pp"/"dp"/"sp"/"tp": its 1-D slices, "dp_sp": flattened}."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
                                 mesh_dim_names=("pp", "dp", "sp", "tp"))
-        mesh["dp", "sp"]._flatten("dp_sp")
-        return mesh
+        meshes = {name: mesh[name] for name in ("pp", "dp", "sp", "tp")}
+        meshes["dp_sp"] = mesh["dp", "sp"]._flatten("dp_sp")  # kept: slicing it is deprecated
+        meshes["world"] = mesh
+        return meshes
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:

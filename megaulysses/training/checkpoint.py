@@ -76,17 +76,20 @@ def _write_json(path: str, obj):
 
 
 def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_shape: dict,
-                    rank: int = 0):
+                    rank: int = 0, barrier=lambda: None):
+    """Every rank calls this; `barrier` synchronizes them (a no-op on one process)."""
     final = iteration_dir(save_dir, state.iteration)
     tmp = os.path.join(save_dir, ".tmp_" + os.path.basename(final))
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
         os.makedirs(tmp)
+    barrier()  # the directory exists before anybody writes into it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():  # single process: DCP warns that it runs without a group
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    barrier()  # every rank's files are in place before the commit
     if rank == 0:
         _write_json(os.path.join(tmp, STATE_FILE),
                     {"iteration": state.iteration,
@@ -99,6 +102,7 @@ def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_sh
         with open(os.path.join(save_dir, MARKER + ".tmp"), "w") as f:
             f.write(str(state.iteration))
         os.replace(os.path.join(save_dir, MARKER + ".tmp"), os.path.join(save_dir, MARKER))
+    barrier()  # nobody runs ahead (and, e.g., exits) before the commit
     log.info("saved checkpoint %s", final)
 
 
@@ -150,13 +154,17 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state_dict, checkpoint_id=path)
-        rng = torch.load(os.path.join(path, f"rng_rank{rank:05d}.pt"), weights_only=False)
+        rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")
+        rng = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else None
     # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
                    optim_state_dict=state_dict["optim"])
-    _set_rng_state(rng)
+    if rng is not None:
+        _set_rng_state(rng)
+    else:  # saved on fewer ranks: this rank has no stream to continue
+        log.warning("%s has no RNG state for rank %d: keeping the seeded RNG", path, rank)
     log.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
     return TrainState(iteration=meta["iteration"],
                       consumed_train_samples=meta["consumed_train_samples"],

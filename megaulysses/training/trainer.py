@@ -15,6 +15,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from megaulysses.data.loader import BatchBuilder
 from megaulysses.model.attention import select_backend
 from megaulysses.model.generate import sample
 from megaulysses.model.gpt import build_model, count_parameters
+from megaulysses.parallel.comm import Comm, GradReducer
+from megaulysses.parallel.dims import ParallelDims, init_distributed
+from megaulysses.parallel.ulysses import apply_ulysses, unwrapped_attention
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
@@ -52,42 +56,62 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float,
-               device, dtype) -> StepResult:
-    tokens = sum(float(b["loss_mask"].sum()) for b in batches)
+def _to(b: dict, device) -> tuple:
+    return (b["tokens"].to(device), b["position_ids"].to(device), b["labels"].to(device),
+            b["loss_mask"].to(device))
+
+
+def global_sum(comm: Comm, value: float, device) -> float:
+    """Sum of a per-rank number over the ranks that see different tokens (dp x sp)."""
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    comm.all_reduce_sum(t, "dp_sp")
+    return float(t)
+
+
+def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, device,
+               dtype, comm: Comm, reducer: Optional[GradReducer] = None) -> StepResult:
+    # The global loss-token count is known before any forward: every backward divides by
+    # it, so the summed gradients are exactly those of the global mean loss.
+    tokens = global_sum(comm, sum(float(b["loss_mask"].sum()) for b in batches), device)
     denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
     loss_sum = torch.zeros((), device=device)
-    for b in batches:
+    for i, b in enumerate(batches):
+        tok, pos, lab, mask = _to(b, device)
         with autocast(device, dtype):
-            losses = model(b["tokens"].to(device), b["position_ids"].to(device),
-                           b["labels"].to(device))  # [b, s] fp32
-        micro_sum = (losses * b["loss_mask"].to(device)).sum()
+            losses = model(tok, pos, lab)  # [b, s/sp] fp32
+        micro_sum = (losses * mask).sum()
+        if reducer is not None and i == len(batches) - 1:
+            reducer.arm()  # the last backward reduces gradients over dp x sp as it runs
         (micro_sum * (scaler.scale / denom)).backward()
         loss_sum += micro_sum.detach()
+    if reducer is not None:
+        reducer.finish()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad)
+    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad)  # grads equal on all ranks
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()
     scaler.update(overflow=skipped)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(float(loss_sum) / denom, norm, skipped, int(tokens))
+    return StepResult(global_sum(comm, float(loss_sum), device) / denom, norm, skipped,
+                      int(tokens))
 
 
 @torch.no_grad()
-def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype) -> float:
+def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype,
+             comm: Comm) -> float:
     """Token-weighted mean loss over `iters` global batches starting at `first_sample`."""
     model.eval()
     total, count = 0.0, 0.0
     for i in range(iters):
         for b in builder.micro_batches(first_sample + i * builder.gbs):
+            tok, pos, lab, mask = _to(b, device)
             with autocast(device, dtype):
-                losses = model(b["tokens"].to(device), b["position_ids"].to(device),
-                               b["labels"].to(device))
-            total += float((losses * b["loss_mask"].to(device)).sum())
-            count += float(b["loss_mask"].sum())
+                losses = model(tok, pos, lab)
+            total += float((losses * mask).sum())
+            count += float(mask.sum())
     model.train()
-    return total / max(count, 1.0)
+    return global_sum(comm, total, device) / max(global_sum(comm, count, device), 1.0)
 
 
 def seed_everything(seed: int):
@@ -100,20 +124,23 @@ def seed_everything(seed: int):
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        seed_everything(cfg.train.seed)
+        t = cfg.train
+        seed_everything(t.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
+        self.rank, world = init_distributed(self.device)
+        self.dims = ParallelDims.from_world(world, sp=cfg.parallel.ds_sequence_parallel_size)
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
-        train, valid, test = build_datasets(cfg, self.tokenizer.vocab_size)
-        t = cfg.train
-        make = lambda ds: ds and BatchBuilder(ds, t.micro_batch_size, t.global_batch_size,
-                                              eod=self.tokenizer.eod,
-                                              eod_mask_loss=cfg.data.eod_mask_loss)
-        self.train_data, self.valid_data, self.test_data = make(train), make(valid), make(test)
+        self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size)
+        self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
+        self._build_data()
         name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
         self.model = build_model(cfg.model, core, t.seed, self.device)
+        apply_ulysses(self.model, self.comm)
         self.model.train()
+        self.reducer = (GradReducer(list(self.model.parameters()), self.comm, "dp_sp")
+                        if self.comm.size("dp_sp") > 1 else None)
         self.optimizer = build_optimizer(self.model, t)
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
@@ -121,6 +148,23 @@ class Trainer:
         self._log_model(name)
         if t.load:
             self._load(t.load)
+
+    def _build_data(self):
+        """Rank 0 builds (and caches) the sample indices first; the others then load them."""
+        cfg, t = self.cfg, self.cfg.train
+        if self.rank == 0:
+            try:
+                splits = build_datasets(cfg, self.tokenizer.vocab_size)
+            finally:  # an error here is raised on every rank below: nobody waits forever
+                self.comm.barrier()
+        else:
+            self.comm.barrier()
+            splits = build_datasets(cfg, self.tokenizer.vocab_size)
+        make = lambda ds: ds and BatchBuilder(
+            ds, t.micro_batch_size, t.global_batch_size, dp_rank=self.comm.rank("dp"),
+            dp_size=self.dims.dp, sp_rank=self.comm.rank("sp"), sp_size=self.dims.sp,
+            eod=self.tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss)
+        self.train_data, self.valid_data, self.test_data = (make(ds) for ds in splits)
 
     def _log_model(self, backend: str):
         m = self.cfg.model
@@ -132,13 +176,16 @@ class Trainer:
                  m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
                  m.seq_length, m.vocab_size, m.padded_vocab_size, style,
                  count_parameters(self.model) / 1e6, backend, self.dtype, self.device)
+        d = self.dims
+        log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)", d.world, d.dp,
+                 d.tp, d.pp, d.sp)
 
     def _load(self, load_dir: str):
         path = ckpt.find_checkpoint(load_dir)
         if path is None:
             return
         self.state = ckpt.load_checkpoint(path, self.model, self.optimizer,
-                                          self.cfg.model.shape_dict())
+                                          self.cfg.model.shape_dict(), rank=self.rank)
         if self.state.loss_scaler and isinstance(self.scaler, LossScaler):
             self.scaler.load_state_dict(self.state.loss_scaler)
 
@@ -146,12 +193,13 @@ class Trainer:
         t = self.cfg.train
         self.state.loss_scaler = self.scaler.state_dict()
         ckpt.save_checkpoint(t.save, self.model, self.optimizer, self.state,
-                             self.cfg.model.shape_dict())
+                             self.cfg.model.shape_dict(), rank=self.rank,
+                             barrier=self.comm.barrier)
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl,
-                               append=self.state.iteration > 0)
+                               append=self.state.iteration > 0, enabled=self.rank == 0)
         flops = flops_per_iteration(cfg.model, t.global_batch_size)
         peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
         log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",
@@ -164,7 +212,7 @@ class Trainer:
             t0 = time.perf_counter()
             batches = self.train_data.micro_batches(self.state.consumed_train_samples)
             r = train_step(self.model, batches, self.optimizer, self.scaler, t.clip_grad,
-                           self.device, self.dtype)
+                           self.device, self.dtype, self.comm, self.reducer)
             window.add(r, time.perf_counter() - t0, t.global_batch_size * cfg.model.seq_length)
             self.state.iteration += 1
             self.state.consumed_train_samples += t.global_batch_size
@@ -192,7 +240,7 @@ class Trainer:
 
     def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
-                        self.dtype)
+                        self.dtype, self.comm)
         log.info("%s loss at iteration %d: %.4f | ppl %.2f", split, self.state.iteration, loss,
                  math.exp(min(loss, 50.0)))
         key = "eval_loss" if split == "valid" else "test_loss"
@@ -204,7 +252,7 @@ class Trainer:
         t, it = self.cfg.train, self.state.iteration
         step_time = w.time / w.steps
         tokens_per_sec = w.tokens / w.time
-        tflops = flops / step_time / 1e12
+        tflops = flops / step_time / self.dims.world / 1e12  # per device, as Megatron
         done = it - start_iter
         eta = (time.perf_counter() - t_start) / done * (t.train_iters - it)
         rec = {"iteration": it, "consumed_samples": self.state.consumed_train_samples,
@@ -214,6 +262,8 @@ class Trainer:
                "tflops_per_device": tflops, "mfu": tflops / peak,
                "skipped_iterations": self.state.skipped_iterations,
                **memory_stats(self.device)}
+        for kind, nbytes in self.comm.stats.pop().items():  # bytes this rank sent, per iter
+            rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
         if isinstance(self.scaler, LossScaler):
             rec["loss_scale"] = self.scaler.scale
         log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
@@ -225,15 +275,20 @@ class Trainer:
         return rec
 
     def generate(self):
+        """Rank 0 samples with plain attention (parameters are whole on every rank)."""
         t = self.cfg.train
-        if not t.generate:
+        if not t.generate or self.rank != 0:
             return None
         prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
         prompt = prompt or [self.tokenizer.eod]  # start of a new document
-        new = sample(self.model, prompt, t.generate, self.cfg.model.seq_length,
-                     self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
-                     seed=t.seed)
+        with unwrapped_attention(self.model):
+            new = sample(self.model, prompt, t.generate, self.cfg.model.seq_length,
+                         self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
+                         seed=t.seed)
         return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
+
+
+COMM_KEYS = {"all_to_all": "a2a"}
 
 
 class _NoScaler:
