@@ -1,0 +1,51 @@
+"""Invalid grids: one line from rank 0 naming the flags and the rule; every rank exits 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist import free_port, run_ranks
+from helpers import REPO, TINY
+
+
+def main_rc(rank, world, args):
+    import pretrain_gpt
+    return pretrain_gpt.main(args)
+
+
+CASES = [  # (world, extra flags, words the message must hold)
+    (4, ["--ds-sequence-parallel-size", "3"], ["--ds-sequence-parallel-size", "world size 4"]),
+    (4, ["--ds-sequence-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size",
+         "96", "--num-query-groups", "3"], ["--ds-sequence-parallel-size",
+                                            "--num-attention-heads 6"]),
+    (2, ["--ds-sequence-parallel-size", "2", "--num-attention-heads", "6", "--hidden-size",
+         "96", "--num-query-groups", "3"], ["kv heads", "sp = 2"]),
+    (4, ["--ds-sequence-parallel-size", "4", "--seq-length", "30"], ["--seq-length 30"]),
+    (4, ["--ds-sequence-parallel-size", "2", "--global-batch-size", "6"],
+     ["--global-batch-size", "dp = 2*2"]),
+]
+IDS = ["world", "heads", "kv-groups", "seq", "batch"]
+
+
+@pytest.mark.parametrize("world,flags,words", CASES, ids=IDS)
+def test_every_rank_exits_2(world, flags, words):
+    assert run_ranks(main_rc, world, TINY + flags, timeout=120) == [2] * world
+
+
+@pytest.mark.parametrize("world,flags,words", [CASES[0], CASES[3]], ids=[IDS[0], IDS[3]])
+def test_torchrun_prints_one_line(world, flags, words):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(world), "--master-port", str(free_port()),
+                           os.path.join(REPO, "pretrain_gpt.py"), *TINY, *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    # torchrun itself reports the failed workers with a traceback of its own launcher;
+    # none of it may come from our code.
+    assert "megaulysses/" not in proc.stderr and 'pretrain_gpt.py", line' not in proc.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
