@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed these; the old names still work but warn.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class CommStats:
     """Bytes sent by this rank per collective kind, since the last `pop`."""
 
@@ -99,6 +104,60 @@ class Comm:
         self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p)
         dist.all_to_all_single(recv, send, group=self.group(dim))
         return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+    # -- all-gather / reduce-scatter with autograd (Megatron-style sequence parallel) -----
+
+    def all_gather(self, x: torch.Tensor, dim: str, gather_dim: int):
+        """Concatenate every rank's `x` along `gather_dim`; backward reduce-scatters."""
+        if self.size(dim) == 1:
+            return x
+        return _AllGather.apply(x, self, dim, gather_dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: str, scatter_dim: int):
+        """Sum `x` over ranks, keep this rank's chunk of `scatter_dim`; backward gathers."""
+        if self.size(dim) == 1:
+            return x
+        return _ReduceScatter.apply(x, self, dim, scatter_dim)
+
+    def _all_gather_raw(self, x, dim: str, gather_dim: int):
+        p = self.size(dim)
+        out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)  # ranks' inputs stacked along dim 0
+        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p)
+        _ALL_GATHER(out, x.contiguous(), group=self.group(dim))
+        return torch.cat(out.chunk(p, dim=0), dim=gather_dim)
+
+    def _reduce_scatter_raw(self, x, dim: str, scatter_dim: int):
+        p = self.size(dim)
+        chunks = x.chunk(p, dim=scatter_dim)
+        send = torch.cat([c.contiguous() for c in chunks], dim=0)  # chunk i for rank i
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+        self.stats.add("reduce_scatter", _nbytes(send) * (p - 1) / p)
+        _REDUCE_SCATTER(out, send, op=dist.ReduceOp.SUM, group=self.group(dim))
+        return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Comm, dim: str, gather_dim: int):
+        ctx.comm, ctx.dim, ctx.gather_dim = comm, dim, gather_dim
+        return comm._all_gather_raw(x, dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm._reduce_scatter_raw(grad, ctx.dim, ctx.gather_dim), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm: Comm, dim: str, scatter_dim: int):
+        ctx.comm, ctx.dim, ctx.scatter_dim = comm, dim, scatter_dim
+        return comm._reduce_scatter_raw(x, dim, scatter_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm._all_gather_raw(grad, ctx.dim, ctx.scatter_dim), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
