@@ -266,12 +266,14 @@ class Trainer:
             rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
         if isinstance(self.scaler, LossScaler):
             rec["loss_scale"] = self.scaler.scale
+        comm = " | ".join(f"{k[len('comm_bytes_'):]} {v / 2**20:.1f} MiB/it"
+                          for k, v in rec.items() if k.startswith("comm_bytes_"))
         log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
                  "%.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | skipped %d | "
-                 "mem peak %.2f GiB | ETA %s", it, t.train_iters, rec["consumed_samples"],
+                 "mem peak %.2f GiB%s | ETA %s", it, t.train_iters, rec["consumed_samples"],
                  rec["loss"], rec["lr"], rec["grad_norm"], 1e3 * step_time, tokens_per_sec,
                  tflops, 100 * rec["mfu"], rec["skipped_iterations"], rec["mem_peak_gib"],
-                 format_duration(eta))
+                 f" | {comm}" if comm else "", format_duration(eta))
         return rec
 
     def generate(self):
