@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, sdpa_attention
-from megaulysses.model.fused import linear_cross_entropy
-from megaulysses.model.layers import MLP, apply_rotary, build_norm, rotary_tables
+from megaulysses.model.fused import linear, linear_cross_entropy
+from megaulysses.model.layers import MLP, Linear, apply_rotary, build_norm, rotary_tables
 
 
 class SelfAttention(nn.Module):
@@ -29,10 +29,10 @@ class SelfAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_kv_heads, d)
-        self.q = nn.Linear(h, self.num_heads * d, bias=cfg.add_bias_linear)
-        self.k = nn.Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
-        self.v = nn.Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
-        self.out = nn.Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
+        self.q = Linear(h, self.num_heads * d, bias=cfg.add_bias_linear)
+        self.k = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
+        self.v = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
+        self.out = Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
         self.core = core  # (q, k, v, dropout_p) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
         self.rope = cfg.position_embedding_type == "rope"
@@ -90,14 +90,14 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-        self.output = (nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
+        self.output = (Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
                        if cfg.untie_embeddings_and_output_weights else None)
 
     def forward(self, x, tied_weight: Optional[torch.Tensor]):  # [b, s, h] -> [b, s, V]
         x = self.norm(x)
         if self.output is not None:
             return self.output(x)
-        return F.linear(x, tied_weight)
+        return linear(x, tied_weight)
 
     def loss(self, x, labels, tied_weight: Optional[torch.Tensor]):  # -> [b, s] fp32
         """Per-token cross entropy of forward's logits, without holding all [b, s, V] logits

@@ -6,6 +6,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaulysses.model.fused import linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose matmuls use `fused.linear`: oneDNN for
+    fp32 on CPU, where it is ~2x faster than the default MKL path on AMD CPUs."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
 
 def build_norm(kind: str, size: int, eps: float) -> nn.Module:
     if kind == "RMSNorm":
@@ -23,9 +33,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool):
         super().__init__()
         self.swiglu = swiglu
-        self.fc1 = nn.Linear(hidden, ffn, bias=bias)
-        self.gate = nn.Linear(hidden, ffn, bias=bias) if swiglu else None
-        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+        self.fc1 = Linear(hidden, ffn, bias=bias)
+        self.gate = Linear(hidden, ffn, bias=bias) if swiglu else None
+        self.fc2 = Linear(ffn, hidden, bias=bias)
 
     def forward(self, x):  # [b, s, h]
         if self.swiglu:

@@ -1,0 +1,190 @@
+"""Each fused op against the plain PyTorch formulation it replaces, forward and backward.
+
+Tolerances: fp32 results must agree to 1e-5 relative to the largest magnitude of the
+reference (a few ulps of accumulated rounding; the ops reorder sums, never approximate);
+bf16 forwards to 3e-2, a few bf16 ulps.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megaulysses.model.fused as fused
+from megaulysses.config import ModelConfig
+from megaulysses.model.attention import (CPU_BLOCK_MAX_SEQ, cpu_attention, math_attention,
+                                         sdpa_attention, select_backend)
+from megaulysses.model.gpt import build_model
+
+FP32_TOL = 1e-5
+BF16_TOL = 3e-2
+
+
+def assert_close(actual, expected, tol=FP32_TOL):
+    scale = expected.detach().abs().max().item() or 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=tol * scale)
+
+
+def grads(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+
+# ---- linear layers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(bias):
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 10, 48), torch.randn(80, 48)
+    b = torch.randn(80) if bias else None
+    g = torch.randn(3, 10, 80)
+    ins = (x, w) + ((b,) if bias else ())
+    got = grads(lambda *t: fused.linear(*t), ins, g)
+    ref = grads(lambda *t: F.linear(*t), ins, g)
+    assert got[0].shape == (3, 10, 80)
+    for a, r in zip(got, ref):
+        assert_close(a, r)
+
+
+def test_linear_onednn_is_used_on_cpu_fp32():
+    if not fused.ONEDNN_LINEAR:
+        pytest.skip("this torch build has no oneDNN linear")
+    x = torch.randn(4, 8, requires_grad=True)
+    y = fused.linear(x, torch.randn(3, 8))
+    assert type(y.grad_fn).__name__ == "ViewBackward0"
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_OneDNNLinearBackward"
+
+
+def test_linear_bf16_autocast_is_f_linear():
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, ref = fused.linear(x, w), F.linear(x, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+
+
+def test_linear_does_not_cache_weights():
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    fused.linear(x, w)
+    w.add_(1.0)  # as an optimizer step does
+    assert_close(fused.linear(x, w), F.linear(x, w))
+
+
+# ---- output layer + cross entropy -------------------------------------------------------
+
+
+def plain_linear_ce(x, w, labels):
+    logits = F.linear(x, w).float()
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(),
+                           reduction="none").view(labels.shape)
+
+
+@pytest.mark.parametrize("rows", [7, 16, 1000])  # ragged chunks, even chunks, one chunk
+def test_linear_cross_entropy_matches_plain(monkeypatch, rows):
+    monkeypatch.setattr(fused, "_rows_per_chunk", lambda *_: rows)
+    torch.manual_seed(0)
+    x = torch.randn(3, 20, 32)
+    w = torch.randn(300, 32) * 0.5
+    labels = torch.randint(0, 300, (3, 20))
+    labels[1, 4] = labels[2, 19] = -100  # ignored: loss 0, no gradient
+    g = torch.rand(3, 20)
+    got = grads(lambda a, b: fused.linear_cross_entropy(a, b, labels), (x, w), g)
+    ref = grads(lambda a, b: plain_linear_ce(a, b, labels), (x, w), g)
+    assert got[0].dtype == torch.float32 and got[0].shape == (3, 20)
+    assert got[0][1, 4] == 0 and got[1][1, 4].abs().max() == 0
+    for a, b in zip(got, ref):
+        assert_close(a, b)
+
+
+def test_linear_cross_entropy_bf16_autocast():
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(256, 32) * 0.3
+    labels = torch.randint(0, 256, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused.linear_cross_entropy(x, w, labels)
+        ref = plain_linear_ce(x, w, labels)
+    assert got.dtype == torch.float32
+    assert_close(got, ref, BF16_TOL)
+
+
+def test_linear_cross_entropy_backward_twice_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    loss = fused.linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.long)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        loss.backward()
+
+
+# ---- attention by query blocks ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,s,block", [
+    (4, 4, 64, 16),  # MHA, even blocks
+    (4, 4, 50, 16),  # ragged last block
+    (8, 2, 40, 16),  # GQA
+    (4, 1, 33, 8),   # MQA
+    (2, 2, 10, 64),  # one block larger than the sequence
+])
+def test_block_causal_attention_matches_math(hq, hkv, s, block):
+    torch.manual_seed(0)
+    b, d = 2, 16
+    q, k, v = torch.randn(b, s, hq, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    g = torch.randn(b, s, hq, d)
+    got = grads(lambda *t: fused.block_causal_attention(*t, block=block), (q, k, v), g)
+    ref = grads(math_attention, (q, k, v), g)
+    for a, r in zip(got, ref):
+        assert_close(a, r)
+
+
+def test_block_causal_attention_bf16_forward():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 48, 4, 16, dtype=torch.bfloat16) for _ in range(3))
+    assert_close(fused.block_causal_attention(q, k, v, block=16), math_attention(q, k, v),
+                 BF16_TOL)
+
+
+def test_cpu_attention_dispatch():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 24, 4, 8), torch.randn(1, 24, 2, 8), torch.randn(1, 24, 2, 8)
+    assert_close(cpu_attention(q, k, v), math_attention(q, k, v))
+    # dropout (random, so only shapes) and 16-bit inputs go to SDPA
+    assert cpu_attention(q, k, v, 0.5).shape == q.shape
+    h = [t.bfloat16() for t in (q, k, v)]
+    assert torch.equal(cpu_attention(*h), sdpa_attention(*h))
+    assert CPU_BLOCK_MAX_SEQ >= 512
+
+
+def test_select_backend_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu) == ("sdpa", cpu_attention)
+    assert select_backend("sdpa", cpu) == ("sdpa", sdpa_attention)
+    assert select_backend("math", cpu) == ("math", math_attention)
+
+
+# ---- the whole model ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_fused_loss_matches_plain_model(monkeypatch, tied):
+    """The model as trained on CPU (fused ops, `auto` attention) vs every op plain: F.linear,
+    math attention, logits + F.cross_entropy."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      seq_length=32, vocab_size=200, make_vocab_size_divisible_by=8,
+                      untie_embeddings_and_output_weights=not tied)
+    tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = tokens.roll(-1, dims=1)
+    fast = build_model(cfg, select_backend("auto", torch.device("cpu"))[1], seed=3)
+    got = fast(tokens, labels=labels)
+    got.mean().backward()
+
+    monkeypatch.setattr(fused, "ONEDNN_LINEAR", False)
+    plain = build_model(cfg, math_attention, seed=3)
+    logits = plain(tokens)
+    ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                          reduction="none").view(2, 32)
+    ref.mean().backward()
+    assert_close(got, ref)
+    for (name, p), q in zip(fast.named_parameters(), plain.parameters()):
+        assert p.grad is not None, name
+        assert_close(p.grad, q.grad)
