@@ -156,6 +156,8 @@ class LogConfig:
 
 @dataclass
 class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # Megatron-style SP inside the tp group
     ds_sequence_parallel_size: int = 1  # Ulysses degree P
 
 
@@ -279,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
 
     g = p.add_argument_group("parallelism (data-parallel size = world / (tp*pp*sp))")
+    g.add_argument("--tensor-model-parallel-size", type=pos("--tensor-model-parallel-size"),
+                   default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron-style sequence parallelism inside the tensor-parallel group")
     g.add_argument("--ds-sequence-parallel-size", "--ulysses-degree",
                    dest="ds_sequence_parallel_size",
                    type=pos("--ds-sequence-parallel-size"), default=1,

@@ -52,7 +52,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0):
                 errors.append(f"rank {rank}:\n{value}")
                 break  # the others may now hang waiting for it
             results[rank] = value
-    except Exception:  # queue.Empty: somebody hung
+    except queue_module.Empty:  # somebody hung
         errors.append(f"timeout after {timeout}s; finished ranks: {sorted(results)}")
     finally:
         for p in procs:

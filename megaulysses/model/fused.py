@@ -38,8 +38,22 @@ def _onednn(a, b):
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
+def _onednn_weight_grad(dy, x):
+    """dy.T @ x `[out, in]` for dy `[T, out]`, x `[T, in]`, through oneDNN.
+
+    Its first operand must be contiguous (a transposed view is copied first), so the
+    smaller of dy.T and x.T is the one transposed: for out > in, (x.T @ dy).T instead.
+    """
+    if dy.shape[1] > x.shape[1]:
+        return _onednn(x.t().contiguous(), dy.t()).t().contiguous()
+    return _onednn(dy.t().contiguous(), x.t())
+
+
 def _use_onednn(x, weight) -> bool:
-    return (ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+    # Plain tensors only: tensor subclasses (DTensor under tensor parallelism) take F.linear,
+    # whose sharding rules they know.
+    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+    return (plain and ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled)
 
 
@@ -57,7 +71,7 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy = dy.contiguous()
         dx = _onednn(dy, weight.t()) if ctx.needs_input_grad[0] else None  # dy @ W
-        dw = _onednn(dy.t(), x.t()) if ctx.needs_input_grad[1] else None  # dy.T @ x
+        dw = _onednn_weight_grad(dy, x) if ctx.needs_input_grad[1] else None  # dy.T @ x
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db
 
@@ -129,17 +143,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = ctx.rows
         g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
         scale = g / sums  # [T, 1]
-        dxs, dw = [], None  # dx by chunks of rows; dw [V, h] summed over chunks
+        dxs, dwt = [], None  # dx by chunks of rows; dw.T [h, V] summed over chunks
         for n, e in enumerate(exps):
             i = n * rows
             # d loss / d logits = softmax - one_hot(label), times the incoming gradient.
             p = e.mul_(scale[i:i + rows]).scatter_add_(1, target[i:i + rows], -g[i:i + rows])
             dlogits = p.to(x.dtype)  # [c, V]; a no-op in fp32
             dxs.append(_matmul_t(dlogits, weight.t()))  # dlogits @ W: [c, h]
-            dwi = _matmul_t(dlogits.t(), x[i:i + rows].t())  # dlogits.T @ x: [V, h]
-            dw = dwi if dw is None else dw.add_(dwi)
+            # x.T @ dlogits: [h, V]. (As dw.T: the first operand, x.T, is the small one to
+            # make contiguous; see _onednn_weight_grad.)
+            dwi = _matmul_t(x[i:i + rows].t().contiguous(), dlogits.t())
+            dwt = dwi if dwt is None else dwt.add_(dwi)
         exps.clear()
-        return torch.cat(dxs), dw, None, None
+        return torch.cat(dxs), dwt.t().contiguous(), None, None
 
 
 def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):

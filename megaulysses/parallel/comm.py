@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 # torch 2.13 renamed these; the old names still work but warn.
@@ -55,6 +56,17 @@ class Comm:
 
     def group(self, dim: str):
         return self.meshes[dim].get_group()
+
+    def mesh(self, dim: str):
+        return self.meshes[dim]
+
+    def counting_dtensor_collectives(self):
+        """Context: count the collectives DTensor issues (tensor parallelism) in `stats`.
+
+        DTensor calls torch's functional collectives from inside its dispatch; a dispatch
+        mode sees them in forward and backward, so they land in the same ledger as ours.
+        """
+        return _FunctionalCollectiveCounter(self.stats)
 
     # -- plain collectives (no autograd) --------------------------------------------------
 
@@ -171,6 +183,32 @@ class _AllToAll(torch.autograd.Function):
         scatter_dim, gather_dim = ctx.dims
         g = ctx.comm._all_to_all_raw(grad.contiguous(), ctx.dim, gather_dim, scatter_dim)
         return g, None, None, None, None
+
+
+class _FunctionalCollectiveCounter(TorchDispatchMode):
+    """Bytes of `_c10d_functional` collectives, by the conventions of the module doc."""
+
+    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+
+    def __init__(self, stats: CommStats):
+        super().__init__()
+        self.stats = stats
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            kind = self.KINDS.get(func.__name__.split(".")[0])
+            if kind is not None:
+                self._count(kind, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, kind: str, args):
+        x, group_name = args[0], args[-1]
+        p = dist.distributed_c10d._resolve_process_group(group_name).size()
+        n = _nbytes(x)
+        sent = {"all_gather": n * (p - 1), "reduce_scatter": n * (p - 1) / p,
+                "all_reduce": 2 * n * (p - 1) / p, "all_to_all": n * (p - 1) / p}[kind]
+        self.stats.add(kind, sent)
 
 
 def _nbytes(t: torch.Tensor) -> int:

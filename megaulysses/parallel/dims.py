@@ -41,12 +41,22 @@ class ParallelDims:
                 f"the world size {world}")
         return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
 
-    def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int):
+    def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int,
+                 sequence_parallel: bool = False):
         """Rules that depend on the grid and the model together (one message each)."""
-        sp_flag = "--ds-sequence-parallel-size"
-        if m.num_attention_heads % (self.tp * self.sp):
-            raise ConfigError(sp_flag, f"--num-attention-heads {m.num_attention_heads} must be "
+        sp_flag, tp_flag = "--ds-sequence-parallel-size", "--tensor-model-parallel-size"
+        for size, flag in ((m.ffn_size, "--ffn-hidden-size"),
+                           (m.padded_vocab_size, "--make-vocab-size-divisible-by")):
+            if size % self.tp:
+                raise ConfigError(flag, f"{flag[2:].replace('-', ' ')} result {size} must be "
+                                  f"divisible by {tp_flag} {self.tp}")
+        if sequence_parallel and m.seq_length % (self.tp * self.sp):
+            raise ConfigError("--sequence-parallel", f"--seq-length {m.seq_length} must be "
                               f"divisible by tp*sp = {self.tp * self.sp}")
+        if m.num_attention_heads % (self.tp * self.sp):
+            raise ConfigError(sp_flag if self.sp > 1 else tp_flag,
+                              f"--num-attention-heads {m.num_attention_heads} must be "
+                              f"divisible by tp*sp = {self.tp}*{self.sp}")
         kv_per_tp = m.num_kv_heads // self.tp if m.num_kv_heads % self.tp == 0 else None
         if kv_per_tp is None:
             raise ConfigError("--num-query-groups", f"{m.num_kv_heads} kv heads must be "

@@ -6,18 +6,24 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from megaulysses.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (every 1-D parameter), as in Megatron."""
-    decay, no_decay = [], []
+    """No weight decay on biases and norm weights (every 1-D parameter), as in Megatron.
+
+    Under tensor parallelism DTensor and plain parameters go to separate groups: a fused
+    or foreach kernel cannot take both kinds in one call.
+    """
+    groups: dict = {}
     for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+            key = (p.ndim >= 2, isinstance(p, DTensor))
+            groups.setdefault(key, []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
@@ -106,14 +112,22 @@ class LossScaler:
 def unscale_and_clip(params, inv_scale: float, max_norm: float) -> float:
     """Unscale grads (fp16), return the global grad norm; clip when max_norm > 0.
 
-    A non-finite norm is returned as is (the caller skips the step, grads untouched).
+    Gradients must already be reduced over data/sequence ranks; sharded (DTensor) ones
+    contribute their whole norm across the tensor-parallel ranks. A non-finite norm is
+    returned as is (the caller skips the step, grads untouched).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    kinds = ([p.grad for p in params if p.grad is not None and isinstance(p.grad, DTensor)],
+             [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)])
+    kinds = [k for k in kinds if k]
     if inv_scale != 1.0:
-        torch._foreach_mul_(grads, inv_scale)
-    norm = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-    norm = norm.item()
+        for grads in kinds:
+            torch._foreach_mul_(grads, inv_scale)
+    parts = []
+    for grads in kinds:
+        n = torch.nn.utils.get_total_norm(grads)
+        parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    norm = torch.linalg.vector_norm(torch.stack(parts)).item() if parts else 0.0
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        for grads in kinds:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm

@@ -28,6 +28,8 @@ from megaulysses.model.generate import sample
 from megaulysses.model.gpt import build_model, count_parameters
 from megaulysses.parallel.comm import Comm, GradReducer
 from megaulysses.parallel.dims import ParallelDims, init_distributed
+from megaulysses.parallel.tensor import (apply_tensor_parallel, materialize_partial_grads,
+                                         step_context as tp_step_context)
 from megaulysses.parallel.ulysses import apply_ulysses, unwrapped_attention
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
@@ -70,6 +72,17 @@ def global_sum(comm: Comm, value: float, device) -> float:
 
 def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, device,
                dtype, comm: Comm, reducer: Optional[GradReducer] = None) -> StepResult:
+    if comm.size("tp") == 1:
+        return _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
+                           reducer)
+    # DTensor's own collectives go in our ledger; loss_parallel spans the backward too.
+    with comm.counting_dtensor_collectives(), tp_step_context():
+        return _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
+                           reducer)
+
+
+def _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
+                reducer) -> StepResult:
     # The global loss-token count is known before any forward: every backward divides by
     # it, so the summed gradients are exactly those of the global mean loss.
     tokens = global_sum(comm, sum(float(b["loss_mask"].sum()) for b in batches), device)
@@ -87,6 +100,8 @@ def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, 
     if reducer is not None:
         reducer.finish()
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if comm.size("tp") > 1:
+        materialize_partial_grads(params, comm.mesh("tp"))
     norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad)  # grads equal on all ranks
     skipped = not math.isfinite(norm)
     if not skipped:
@@ -101,6 +116,11 @@ def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, 
 def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype,
              comm: Comm) -> float:
     """Token-weighted mean loss over `iters` global batches starting at `first_sample`."""
+    with (tp_step_context() if comm.size("tp") > 1 else contextlib.nullcontext()):
+        return _evaluate(model, builder, first_sample, iters, device, dtype, comm)
+
+
+def _evaluate(model, builder, first_sample, iters, device, dtype, comm) -> float:
     model.eval()
     total, count = 0.0, 0.0
     for i in range(iters):
@@ -129,15 +149,19 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
         self.rank, world = init_distributed(self.device)
-        self.dims = ParallelDims.from_world(world, sp=cfg.parallel.ds_sequence_parallel_size)
+        par = cfg.parallel
+        self.dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
+                                            sp=par.ds_sequence_parallel_size)
+        self.sequence_parallel = par.sequence_parallel and self.dims.tp > 1  # as Megatron
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
-        self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size)
+        self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
+                           self.sequence_parallel)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
         name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
         self.model = build_model(cfg.model, core, t.seed, self.device)
-        apply_ulysses(self.model, self.comm)
+        self._parallelize()
         self.model.train()
         self.reducer = (GradReducer(list(self.model.parameters()), self.comm, "dp_sp")
                         if self.comm.size("dp_sp") > 1 else None)
@@ -148,6 +172,12 @@ class Trainer:
         self._log_model(name)
         if t.load:
             self._load(t.load)
+
+    def _parallelize(self):
+        """The transforms, in order: tensor parallel, then Ulysses around the cores."""
+        if self.dims.tp > 1:
+            apply_tensor_parallel(self.model, self.comm.mesh("tp"), self.sequence_parallel)
+        apply_ulysses(self.model, self.comm)
 
     def _build_data(self):
         """Rank 0 builds (and caches) the sample indices first; the others then load them."""
@@ -177,8 +207,9 @@ class Trainer:
                  m.seq_length, m.vocab_size, m.padded_vocab_size, style,
                  count_parameters(self.model) / 1e6, backend, self.dtype, self.device)
         d = self.dims
-        log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)", d.world, d.dp,
-                 d.tp, d.pp, d.sp)
+        log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)%s", d.world, d.dp,
+                 d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if
+                 self.sequence_parallel else "")
 
     def _load(self, load_dir: str):
         path = ckpt.find_checkpoint(load_dir)
@@ -277,16 +308,20 @@ class Trainer:
         return rec
 
     def generate(self):
-        """Rank 0 samples with plain attention (parameters are whole on every rank)."""
+        """Rank 0 samples with plain attention (parameters are whole on every sp rank); under
+        tensor parallelism every rank runs the same sampling, in step, and rank 0 prints."""
         t = self.cfg.train
-        if not t.generate or self.rank != 0:
+        if not t.generate or (self.rank != 0 and self.dims.tp == 1):
             return None
         prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
         prompt = prompt or [self.tokenizer.eod]  # start of a new document
         with unwrapped_attention(self.model):
             new = sample(self.model, prompt, t.generate, self.cfg.model.seq_length,
                          self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
-                         seed=t.seed)
+                         seed=t.seed, length_multiple=self.dims.tp if self.sequence_parallel
+                         else 1)
+        if self.rank != 0:
+            return None
         return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
 
 

@@ -21,7 +21,10 @@ PARAM_ATOL = 5e-5
 STEPS = ["--train-iters", "10", "--global-batch-size", "8", "--eval-interval", "5"]
 GPT2 = ["--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm",
         "--no-swiglu", "--add-bias-linear"]
-STYLES = {"llama-gqa": [], "gpt2": GPT2}
+STYLES = {"llama-gqa": [], "gpt2": GPT2,
+          "llama-untied": ["--untie-embeddings-and-output-weights"]}
+TP2 = ["--tensor-model-parallel-size", "2"]
+SP2 = ["--ds-sequence-parallel-size", "2"]
 
 
 def train(rank, world, args):
@@ -29,9 +32,12 @@ def train(rank, world, args):
     from megaulysses.training.trainer import Trainer
     trainer = Trainer(parse_args(args))
     trainer.train()
+    # Whole parameters (gathering tensor-parallel shards is a collective: every rank).
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p
+            for n, p in trainer.model.named_parameters()}
     if rank != 0:
         return None
-    return {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+    return {n: p.detach().numpy().copy() for n, p in full.items()}
 
 
 def run_args(tmp_path, name, style, extra=()):
@@ -75,11 +81,19 @@ GRIDS = [  # (style, world, flags)
     ("llama-gqa", 4, ["--ds-sequence-parallel-size", "2"]),  # dp2 x sp2
     ("gpt2", 2, ["--ds-sequence-parallel-size", "2"]),
     ("gpt2", 4, ["--ulysses-degree", "2"]),  # dp2 x sp2, the alias
+    ("llama-gqa", 2, TP2),  # one kv head per tensor rank
+    ("llama-gqa", 2, TP2 + ["--sequence-parallel"]),  # Megatron-SP, the paper's baseline
+    ("llama-gqa", 4, TP2 + SP2),  # tp2 x sp2: heads split by tp, then by sp
+    ("llama-gqa", 8, TP2 + SP2),  # dp2 x tp2 x sp2
+    ("gpt2", 2, TP2 + ["--sequence-parallel"]),  # learned positions, biases, LayerNorm
+    ("llama-untied", 4, TP2 + SP2 + ["--sequence-parallel"]),  # vocab-parallel output layer
 ]
 
 
 @pytest.mark.parametrize("style,world,flags", GRIDS,
-                         ids=["dp2", "sp2", "sp4", "dp2-sp2", "gpt2-sp2", "gpt2-dp2-sp2"])
+                         ids=["dp2", "sp2", "sp4", "dp2-sp2", "gpt2-sp2", "gpt2-dp2-sp2",
+                              "tp2", "tp2-megatron-sp", "tp2-sp2", "dp2-tp2-sp2",
+                              "gpt2-tp2-megatron-sp", "untied-tp2-sp2-megatron-sp"])
 def test_grid_equals_one_process(reference, tmp_path, style, world, flags):
     path, args = run_args(tmp_path, "grid", style, flags)
     params = run_ranks(train, world, args)[0]
@@ -87,9 +101,7 @@ def test_grid_equals_one_process(reference, tmp_path, style, world, flags):
     assert_same_run(read_jsonl(path), ref_records, params, ref_params)
 
 
-@pytest.mark.parametrize("world,flags", [(2, ["--ds-sequence-parallel-size", "2"]),
-                                         (4, ["--ds-sequence-parallel-size", "2"])],
-                         ids=["sp2", "dp2-sp2"])
+@pytest.mark.parametrize("world,flags", [(2, SP2), (4, TP2 + SP2)], ids=["sp2", "tp2-sp2"])
 def test_torchrun_cli_equals_one_process(reference, tmp_path, world, flags):
     """The real command line: torchrun -> pretrain_gpt.py -> --metrics-jsonl."""
     path, args = run_args(tmp_path, "cli", "llama-gqa", flags)
@@ -100,6 +112,7 @@ def test_torchrun_cli_equals_one_process(reference, tmp_path, world, flags):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_same_run(read_jsonl(path), reference["llama-gqa"][0])
-    assert f"dp {world // 2} x tp 1 x pp 1 x sp 2" in proc.stdout
+    tp = 2 if "--tensor-model-parallel-size" in flags else 1
+    assert f"dp {world // 2 // tp} x tp {tp} x pp 1 x sp 2" in proc.stdout
     comm = [r for r in read_jsonl(path) if "loss" in r][-1]
     assert comm["comm_bytes_a2a"] > 0 and comm["comm_bytes_all_reduce"] > 0

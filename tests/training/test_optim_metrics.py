@@ -88,9 +88,12 @@ def test_dynamic_loss_scaler():
     dict(num_query_groups=2, untie_embeddings_and_output_weights=True),
     dict(swiglu=False, position_embedding_type="learned_absolute", normalization="LayerNorm"),
 ], ids=["mha", "gqa-untied", "gpt2"])
-def test_flops_formula_matches_counted_matmuls(kw):
+def test_flops_formula_matches_counted_matmuls(kw, monkeypatch):
     """Megatron's formula == FLOPs torch's FlopCounterMode counts in one fwd+bwd
-    (math attention: explicit s x s matmuls, counted in full as the formula assumes)."""
+    (math attention: explicit s x s matmuls, counted in full as the formula assumes;
+    plain aten matmuls, which the counter knows, instead of the oneDNN linear op)."""
+    from megaulysses.model import fused
+    monkeypatch.setattr(fused, "ONEDNN_LINEAR", False)
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                       vocab_size=256, **kw)
     m = build_model(cfg, math_attention, 0)

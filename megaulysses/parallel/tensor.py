@@ -1,0 +1,122 @@
+"""Tensor parallelism for the GPT with DTensor: the plan, and the vocab-parallel head.
+
+Per block: q, k, v, fc1 (and gate) are column-parallel (each rank computes its heads or its
+slice of the MLP), out and fc2 row-parallel (partial sums, all-reduced). The embedding is
+vocab-parallel (rows split; each rank looks up its own ids, the sum is all-reduced). The
+output layer is vocab-parallel too, and the cross entropy runs under `loss_parallel`, so no
+rank ever holds full-vocabulary logits.
+
+`sequence_parallel=True` is Megatron's sequence parallelism inside the tp group (the
+paper's baseline): between blocks the residual stream is split along the sequence
+(`[b, s/tp, h]`); norms run on that shard; an all-gather rebuilds the sequence before the
+column-parallel linears and a reduce-scatter replaces the row-parallel all-reduce.
+
+The model itself is unchanged: parameters become DTensors, `model.head` is swapped for
+`VocabParallelHead` (same submodules, same parameter names).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel,
+                                               parallelize_module)
+
+
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
+    """Shard `model` in place over the 1-D `tp_mesh`. No-op for a mesh of one rank."""
+    if tp_mesh.size() == 1:
+        return model
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+    if model.embed is not None:
+        # Vocab-parallel lookup, summed over tp; with SP the block input is then this
+        # rank's sequence slice (after the learned positions were added, whole).
+        parallelize_module(model.embed, tp_mesh,
+                           {"word": RowwiseParallel(input_layouts=Replicate())})
+        if sequence_parallel:
+            parallelize_module(model.embed, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=seq))
+    if model.head is not None:
+        model.head = VocabParallelHead(model.head, tp_mesh, seq)
+    return model
+
+
+def _block_plan(block, sp: bool) -> dict:
+    seq = Shard(1) if sp else Replicate()
+    plan = {
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=seq),
+        "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=seq),
+    }
+    if block.mlp.gate is not None:
+        plan["mlp.gate"] = ColwiseParallel()
+    if sp:  # norms on sequence shards; all-gather before each column-parallel group
+        plan.update({
+            "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(seq, None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+class VocabParallelHead(nn.Module):
+    """The model's Head (final norm + output layer) with vocab-sharded logits.
+
+    forward -> logits as a DTensor sharded on the vocabulary; loss -> per-token losses
+    `[b, s]` (plain, replicated on the tp ranks) from `loss_parallel` cross entropy.
+    """
+
+    def __init__(self, head, tp_mesh, seq_layout):
+        super().__init__()
+        self.mesh, self.seq = tp_mesh, seq_layout
+        self.norm = head.norm
+        self.output = head.output
+        if isinstance(seq_layout, Shard):
+            parallelize_module(self.norm, tp_mesh, SequenceParallel())
+        if self.output is not None:
+            parallelize_module(self.output, tp_mesh, ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
+
+    def _hidden(self, x) -> DTensor:
+        """Normed hidden states, whole sequence, replicated: the output layer's input."""
+        x = self.norm(x)
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [self.seq])
+        return x.redistribute(self.mesh, [Replicate()])  # SP: all-gather the sequence
+
+    def forward(self, x, tied_weight=None):  # -> DTensor [b, s, V], Shard(-1)
+        x = self._hidden(x)
+        if self.output is not None:
+            return self.output(x)
+        return F.linear(x, tied_weight)  # tied: the vocab-parallel embedding's weight
+
+    def loss(self, x, labels, tied_weight=None):  # -> [b, s] fp32
+        """Call inside `step_context()` (forward and backward): loss_parallel's handlers
+        are process-wide and not reentrant, so this does not open a nested one."""
+        logits = self(x, tied_weight)
+        b, s = labels.shape
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                 reduction="none")
+        return losses.to_local().view(b, s)
+
+
+def step_context():
+    """Forward and backward of a tensor-parallel step run inside this: the vocab-parallel
+    cross entropy's backward needs `loss_parallel` active as much as its forward."""
+    return loss_parallel()
+
+
+def materialize_partial_grads(params, tp_mesh):
+    """Gradients of parameters replicated over tp but fed by sequence shards (norms under
+    SP) come out as Partial sums: all-reduce them into replicated gradients."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(tp_mesh, [Replicate()])
