@@ -56,13 +56,13 @@ def _block_plan(block, sp: bool) -> dict:
     }
     if block.mlp.gate is not None:
         plan["mlp.gate"] = ColwiseParallel()
+    # Wrap each sublayer's input once: its gradient (partial sums from q, k, v, or from
+    # fc1 and gate) is then reduced in one collective, not one per linear (Megatron's f).
+    plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                      desired_input_layouts=(Replicate(), None, None))
+    plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:  # norms on sequence shards; all-gather before each column-parallel group
-        plan.update({
-            "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(seq, None, None),
-                                       desired_input_layouts=(Replicate(), None, None)),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        })
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
     return plan
 
 
@@ -105,6 +105,14 @@ class VocabParallelHead(nn.Module):
         losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                  reduction="none")
         return losses.to_local().view(b, s)
+
+
+def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: int) -> dict:
+    """Forward bytes one rank sends per transformer layer under Megatron-SP (backward sends
+    the same, the kinds swapped): an all-gather of the `[b, s, h]` activations before
+    attention and before the MLP, a reduce-scatter after each."""
+    n = b * s * h * element_size * (tp - 1) // tp
+    return {"all_gather": 2 * n, "reduce_scatter": 2 * n}
 
 
 def step_context():
