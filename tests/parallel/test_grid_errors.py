@@ -25,8 +25,12 @@ CASES = [  # (world, extra flags, words the message must hold)
     (4, ["--ds-sequence-parallel-size", "4", "--seq-length", "30"], ["--seq-length 30"]),
     (4, ["--ds-sequence-parallel-size", "2", "--global-batch-size", "6"],
      ["--global-batch-size", "dp = 2*2"]),
+    (2, ["--tensor-model-parallel-size", "2", "--num-query-groups", "1"],
+     ["--num-query-groups", "--tensor-model-parallel-size 2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"],
+     ["--sequence-parallel", "tp*sp"]),
 ]
-IDS = ["world", "heads", "kv-groups", "seq", "batch"]
+IDS = ["world", "heads", "kv-groups", "seq", "batch", "tp-kv-groups", "megatron-sp-seq"]
 
 
 @pytest.mark.parametrize("world,flags,words", CASES, ids=IDS)
