@@ -251,3 +251,43 @@ def block_causal_attention(q, k, v, block: int = 64):
     vg = v.transpose(1, 2).reshape(b * hkv, s, d)
     out = _BlockCausalAttention.apply(qg, kg, vg, rep, block)  # [b * hkv, s * rep, d]
     return out.view(b, hkv, s, rep, d).transpose(1, 2).reshape(b, s, hq, d)
+
+
+# ------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ------------------------------------------------------------------------------------------
+
+
+def _rotate(x, cos, sin):
+    """[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] (rotate-half layout), one output."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotation by the angles whose cos/sin are given; its backward is the inverse rotation.
+
+    Four elementwise passes each way into one output, where autograd's version of
+    `cat(x1 * c - x2 * s, x2 * c + x1 * s)` makes six temporaries forward and more backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):  # x [b, s, h, d]; cos, sin broadcastable to [.., d/2]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def rotary(x, cos, sin):
+    """Rotate-half rotary embedding of `x` `[..., d]` by cos, sin `[..., d/2]` (same dtype,
+    broadcastable); gradients flow to x only."""
+    return _Rotary.apply(x, cos, sin)
+

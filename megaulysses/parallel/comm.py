@@ -15,6 +15,7 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 import torch
 import torch.distributed as dist
@@ -31,9 +32,20 @@ class CommStats:
 
     def __init__(self):
         self.bytes = defaultdict(int)
+        self.counting = True
 
     def add(self, kind: str, nbytes: float):
-        self.bytes[kind] += int(nbytes)
+        if self.counting:
+            self.bytes[kind] += int(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Collectives inside are not counted (e.g. evaluation between training steps)."""
+        before, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = before
 
     def pop(self) -> dict:
         out = dict(self.bytes)

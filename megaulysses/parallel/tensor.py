@@ -17,6 +17,8 @@ The model itself is unchanged: parameters become DTensors, `model.head` is swapp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -115,10 +117,15 @@ def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: i
     return {"all_gather": 2 * n, "reduce_scatter": 2 * n}
 
 
-def step_context():
-    """Forward and backward of a tensor-parallel step run inside this: the vocab-parallel
-    cross entropy's backward needs `loss_parallel` active as much as its forward."""
-    return loss_parallel()
+def step_context(comm):
+    """Forward and backward of a step run inside this. Under tensor parallelism it opens
+    `loss_parallel` (the vocab-parallel cross entropy's backward needs it as much as its
+    forward) and counts DTensor's collectives in `comm.stats`; otherwise it does nothing."""
+    stack = contextlib.ExitStack()
+    if comm.size("tp") > 1:
+        stack.enter_context(comm.counting_dtensor_collectives())
+        stack.enter_context(loss_parallel())
+    return stack
 
 
 def materialize_partial_grads(params, tp_mesh):

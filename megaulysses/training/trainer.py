@@ -72,11 +72,7 @@ def global_sum(comm: Comm, value: float, device) -> float:
 
 def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, device,
                dtype, comm: Comm, reducer: Optional[GradReducer] = None) -> StepResult:
-    if comm.size("tp") == 1:
-        return _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
-                           reducer)
-    # DTensor's own collectives go in our ledger; loss_parallel spans the backward too.
-    with comm.counting_dtensor_collectives(), tp_step_context():
+    with tp_step_context(comm):
         return _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
                            reducer)
 
@@ -115,8 +111,9 @@ def _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, com
 @torch.no_grad()
 def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype,
              comm: Comm) -> float:
-    """Token-weighted mean loss over `iters` global batches starting at `first_sample`."""
-    with (tp_step_context() if comm.size("tp") > 1 else contextlib.nullcontext()):
+    """Token-weighted mean loss over `iters` global batches starting at `first_sample`.
+    Its collectives are not counted: the logged bytes are those of training steps."""
+    with tp_step_context(comm), comm.stats.paused():
         return _evaluate(model, builder, first_sample, iters, device, dtype, comm)
 
 
