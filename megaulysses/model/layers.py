@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaulysses.model.fused import linear, rotary
+from megaulysses.model.fused import linear
 
 
 class Linear(nn.Linear):
@@ -63,8 +63,6 @@ def apply_rotary(x, cos, sin, position_ids):
     """
     c = cos[position_ids].unsqueeze(2)  # [b, s, 1, d/2]
     s = sin[position_ids].unsqueeze(2)
-    if x.dtype == torch.float32 and c.dtype == torch.float32:
-        return rotary(x, c, s)  # the same formula below, fused (no upcast needed)
     x1, x2 = x.float().chunk(2, dim=-1)  # [b, s, h, d/2] each
     out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     return out.to(x.dtype)
