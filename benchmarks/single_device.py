@@ -70,7 +70,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's")
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    p.add_argument("--same-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="start HF from our initial weights (else HF's own init): the first "
+                        "losses must then agree, which checks that both compute the same")
+    args = p.parse_args(argv)
+    for flag in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "micro_batch", "rounds",
+                 "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
 
 
 def resolve(args):
@@ -128,6 +136,23 @@ def build_hf(args, device, dtype):
     return model, opt, loss_fn, f"attn_implementation {impl}, torch.optim.AdamW"
 
 
+@torch.no_grad()
+def copy_weights_to_hf(ours, hf):
+    """Give the HF model our initial weights (same architecture; only the names differ)."""
+    pairs = [(ours.embed.word, hf.model.embed_tokens), (ours.head.norm, hf.model.norm),
+             (ours.head.output, hf.lm_head)]
+    for i, hl in enumerate(hf.model.layers):
+        ol = ours.layers[str(i)]
+        pairs += [(ol.attn_norm, hl.input_layernorm), (ol.mlp_norm, hl.post_attention_layernorm),
+                  (ol.attn.q, hl.self_attn.q_proj), (ol.attn.k, hl.self_attn.k_proj),
+                  (ol.attn.v, hl.self_attn.v_proj), (ol.attn.out, hl.self_attn.o_proj),
+                  (ol.mlp.gate, hl.mlp.gate_proj), (ol.mlp.fc1, hl.mlp.up_proj),
+                  (ol.mlp.fc2, hl.mlp.down_proj)]
+    for src, dst in pairs:
+        dst.weight.copy_(src.weight)
+    assert len(pairs) == len(list(hf.parameters())) == len(list(ours.parameters()))
+
+
 def make_step(opt, loss_fn, inputs, targets, autocast):
     def step():
         with autocast():
@@ -162,6 +187,9 @@ def main(argv=None):
 
     ours, ours_opt, ours_loss, ours_desc = build_ours(args, device, dtype)
     hf, hf_opt, hf_loss, hf_desc = build_hf(args, device, dtype)
+    if args.same_init:
+        copy_weights_to_hf(ours, hf)
+        hf_desc += ", started from our initial weights"
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
     inputs = tokens[:, :-1].contiguous().to(device)  # [b, seq]
@@ -198,7 +226,7 @@ def main(argv=None):
             line.append(f"{name} {statistics.median(times[name][-args.steps:]):.3f} s/step")
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(line))
 
-    print(f"initial loss: ours {first['ours']:.4f}, hf {first['hf']:.4f}")
+    print(f"initial loss: ours {first['ours']:.6f}, hf {first['hf']:.6f}")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     tps = {name: tokens_per_step / med[name] for name in runs}
     for name in runs:

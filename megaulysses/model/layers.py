@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaulysses.model.fused import linear
+from megaulysses.model.fused import linear, rms_norm
 
 
 class Linear(nn.Linear):
@@ -17,9 +17,16 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`."""
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
 def build_norm(kind: str, size: int, eps: float) -> nn.Module:
     if kind == "RMSNorm":
-        return nn.RMSNorm(size, eps=eps)
+        return RMSNorm(size, eps=eps)
     return nn.LayerNorm(size, eps=eps)
 
 

@@ -14,6 +14,7 @@ from megaulysses.config import ModelConfig
 from megaulysses.model.attention import (CPU_BLOCK_MAX_SEQ, cpu_attention, math_attention,
                                          sdpa_attention, select_backend)
 from megaulysses.model.gpt import build_model
+from megaulysses.model.layers import build_norm
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -188,3 +189,27 @@ def test_gpt_fused_loss_matches_plain_model(monkeypatch, tied):
     for (name, p), q in zip(fast.named_parameters(), plain.parameters()):
         assert p.grad is not None, name
         assert_close(p.grad, q.grad)
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 64), (5, 48)])
+def test_rms_norm_matches_plain(shape):
+    torch.manual_seed(0)
+    x, g = torch.randn(*shape) * 3, torch.randn(*shape)
+    w = torch.rand(shape[-1]) + 0.5
+    got = grads(lambda a, b: fused.rms_norm(a, b, 1e-5), (x, w), g)
+    ref = grads(lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * b,
+                (x, w), g)
+    for a, r in zip(got, ref):
+        assert_close(a, r)
+    norm = build_norm("RMSNorm", shape[-1], 1e-5)  # the model's module: same parameter
+    assert [n for n, _ in norm.named_parameters()] == ["weight"]
+    assert_close(norm(x), torch.nn.functional.rms_norm(x, (shape[-1],), None, 1e-5))
+
+
+def test_rms_norm_bf16_forward():
+    x, w = torch.randn(4, 32), torch.rand(32) + 0.5
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    assert_close(fused.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5), ref, BF16_TOL)
