@@ -385,6 +385,6 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
 def _validate_data(d: DataConfig):
     if d.tokenizer_type == "NullTokenizer":
         _require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
-    elif not d.mock_data or d.tokenizer_model:
+    else:  # mock data too: the tokenizer sets the vocabulary
         _require(d.tokenizer_model is not None, "--tokenizer-model",
                  f"required with {d.tokenizer_type}")
