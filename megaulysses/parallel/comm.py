@@ -91,21 +91,6 @@ class Comm:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
 
-    def all_reduce_max(self, tensor: torch.Tensor, dim: str):
-        p = self.size(dim)
-        if p > 1:
-            self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
-
-    def broadcast_object(self, obj, dim: str, src_local_rank: int = 0):
-        """A small Python object from one rank of `dim` to the others (e.g. a decision)."""
-        if self.size(dim) == 1:
-            return obj
-        box = [obj]
-        src = dist.get_global_rank(self.group(dim), src_local_rank)
-        dist.broadcast_object_list(box, src=src, group=self.group(dim))
-        return box[0]
-
     def barrier(self):
         if self.meshes:
             dist.barrier()
