@@ -24,6 +24,7 @@ BUNDLED_DATA = os.path.join(REPO_ROOT, "data", "shakespeare_text_document")
 BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "math")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
@@ -159,6 +160,11 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # Megatron-style SP inside the tp group
     ds_sequence_parallel_size: int = 1  # Ulysses degree P
+    pipeline_model_parallel_size: int = 1
+    pipeline_schedule: Optional[str] = None  # None: 1f1b, or interleaved-1f1b with virtual stages
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
 
 
 @dataclass
@@ -289,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="ds_sequence_parallel_size",
                    type=pos("--ds-sequence-parallel-size"), default=1,
                    help="Ulysses sequence-parallel degree")
+    g.add_argument("--pipeline-model-parallel-size", type=pos("--pipeline-model-parallel-size"),
+                   default=1, help="pipeline stages (layers split into consecutive blocks)")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
+                   help="default: 1f1b, or interleaved-1f1b with "
+                        "--num-layers-per-virtual-pipeline-stage")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage",
+                   type=pos("--num-layers-per-virtual-pipeline-stage"), default=None,
+                   help="layers per model chunk; each pipeline rank then holds "
+                        "layers / (pp * this) chunks (interleaved schedules)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first stage (uneven split; the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last stage (uneven split; the rest evenly)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
@@ -327,6 +346,8 @@ def validate(cfg: Config):
     _validate_model(cfg.model)
     _validate_train(cfg.train, cfg.model)
     _validate_data(cfg.data)
+    _validate_pipeline(cfg.parallel)
+    pipeline_layout(cfg.model.num_layers, cfg.parallel)  # raises on a split that does not fit
 
 
 def _validate_model(m: ModelConfig):
@@ -380,6 +401,74 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
              "must be >= --min-loss-scale > 0")
     if t.save_interval is not None:
         _require(t.save is not None, "--save-interval", "needs --save DIR")
+
+
+def _validate_pipeline(par: ParallelConfig):
+    pp, vl = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
+    uneven = (par.decoder_first_pipeline_num_layers is not None
+              or par.decoder_last_pipeline_num_layers is not None)
+    if par.pipeline_schedule is None:
+        par.pipeline_schedule = "interleaved-1f1b" if vl else "1f1b"
+    if pp == 1:
+        _require(vl is None and not uneven, "--pipeline-model-parallel-size",
+                 "virtual stages and uneven stage splits need --pipeline-model-parallel-size > 1")
+        return
+    if par.pipeline_schedule in ("1f1b", "gpipe"):
+        _require(vl is None, "--num-layers-per-virtual-pipeline-stage",
+                 f"--pipeline-schedule {par.pipeline_schedule} runs one stage per rank; use "
+                 "interleaved-1f1b or zero-bubble with virtual stages")
+    if par.pipeline_schedule == "interleaved-1f1b":
+        _require(vl is not None, "--pipeline-schedule",
+                 "interleaved-1f1b needs --num-layers-per-virtual-pipeline-stage")
+    _require(not (uneven and vl), "--decoder-first-pipeline-num-layers",
+             "uneven stage splits cannot be combined with "
+             "--num-layers-per-virtual-pipeline-stage")
+
+
+def pipeline_layout(num_layers: int, par: ParallelConfig) -> list[list[int]]:
+    """Layer indices of each pipeline stage, stage 0 first (pp * virtual stages in all).
+
+    Stage s runs on pipeline rank s % pp (the loop order of the interleaved schedules), so
+    with v virtual stages rank r holds stages r, r + pp, ... Even split by default; with
+    --decoder-first/last-pipeline-num-layers those stages get what they ask for and the
+    stages between share the rest evenly. Raises ConfigError when it does not divide.
+    """
+    pp, vl = par.pipeline_model_parallel_size, par.num_layers_per_virtual_pipeline_stage
+    first, last = par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers
+    if vl is not None:
+        _require(num_layers % (pp * vl) == 0, "--num-layers-per-virtual-pipeline-stage",
+                 f"--num-layers {num_layers} must be divisible by pp * "
+                 f"{vl} layers per virtual stage = {pp * vl}")
+        sizes = [vl] * (num_layers // vl)
+    elif first is None and last is None:
+        _require(num_layers % pp == 0, "--pipeline-model-parallel-size",
+                 f"--num-layers {num_layers} must be divisible by the {pp} pipeline stages "
+                 "(or set --decoder-first/last-pipeline-num-layers)")
+        sizes = [num_layers // pp] * pp
+    else:
+        sizes = _uneven_sizes(num_layers, pp, first, last)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+
+
+def _uneven_sizes(num_layers: int, pp: int, first: Optional[int], last: Optional[int]):
+    for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                    ("--decoder-last-pipeline-num-layers", last)):
+        _require(n is None or 0 <= n <= num_layers, flag,
+                 f"must be in [0, --num-layers {num_layers}], got {n}")
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if middle == 0:
+        _require(rest == 0, "--decoder-first-pipeline-num-layers",
+                 f"with {pp} stages the first and last stage must hold all {num_layers} "
+                 f"layers, got {first} + {last}")
+        return [first, last]
+    _require(rest >= middle and rest % middle == 0, "--decoder-first-pipeline-num-layers",
+             f"the {rest} layers left after the first/last stage must split evenly, at least "
+             f"one each, over the other {middle} stages")
+    each = rest // middle
+    return ([first] if first is not None else []) + [each] * middle + (
+        [last] if last is not None else [])
 
 
 def _validate_data(d: DataConfig):

@@ -133,36 +133,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses.masked_fill_(~valid, 0.0)
         # softmax = e / sum(e): backward folds the division into its scaling by the gradient.
         ctx.save_for_backward(x, weight, target, valid, torch.cat(sums), *exps)
-        ctx.rows, ctx.done = rows, False
+        ctx.rows, ctx.grad_seen = rows, None
         return losses
 
     @staticmethod
     def backward(ctx, grad):  # grad [T]
-        if ctx.done:
-            raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not "
-                               "supported; its saved probabilities are consumed in place")
-        ctx.done = True
-        x, weight, target, valid, sums, *exps = ctx.saved_tensors
+        if ctx.grad_seen is None:  # turn the saved exps into d loss / d logits, in place
+            x, weight, target, valid, sums, *exps = ctx.saved_tensors
+            _dlogits_in_place(exps, grad, target, valid, sums, ctx.rows)
+            # Kept outside saved_tensors, whose version check now refuses the exps: a second
+            # backward (retain_graph; the zero-bubble schedule runs one for the inputs, one
+            # for the weights) reuses them. Inputs only, no reference cycle.
+            ctx.grad_seen, ctx.kept = grad.detach().clone(), (x, weight, exps)
+        elif not torch.equal(grad, ctx.grad_seen):
+            raise RuntimeError("linear_cross_entropy: a second backward with a different "
+                               "gradient is not supported (saved logits are consumed)")
+        x, weight, exps = ctx.kept
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        rows = ctx.rows
-        g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
-        scale = g / sums  # [T, 1]
         dxs, dwt = [], None  # dx by chunks of rows; dw.T [h, V] summed over chunks
         for n, e in enumerate(exps):
-            i = n * rows
-            # d loss / d logits = softmax - one_hot(label), times the incoming gradient.
-            p = e.mul_(scale[i:i + rows]).scatter_add_(1, target[i:i + rows], -g[i:i + rows])
-            dlogits = p.to(x.dtype)  # [c, V]; a no-op in fp32
+            i = n * ctx.rows
+            dlogits = e.to(x.dtype)  # [c, V]; a no-op in fp32
             if need_dx:
                 dxs.append(_matmul_t(dlogits, weight.t()))  # dlogits @ W: [c, h]
             if need_dw:
                 # x.T @ dlogits: [h, V]. (dw.T because then the operand to make contiguous
                 # is x.T, the small one; see _onednn_weight_grad.)
-                dwi = _matmul_t(x[i:i + rows].t().contiguous(), dlogits.t())
+                dwi = _matmul_t(x[i:i + ctx.rows].t().contiguous(), dlogits.t())
                 dwt = dwi if dwt is None else dwt.add_(dwi)
         dx = torch.cat(dxs) if need_dx else None
         dw = dwt.t().contiguous() if need_dw else None
         return dx, dw, None, None
+
+
+def _dlogits_in_place(exps, grad, target, valid, sums, rows: int):
+    """exp(logits - max) chunks -> (softmax - one_hot(label)) * grad, in place."""
+    g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
+    scale = g / sums  # [T, 1]
+    for n, e in enumerate(exps):
+        i = n * rows
+        e.mul_(scale[i:i + rows]).scatter_add_(1, target[i:i + rows], -g[i:i + rows])
 
 
 def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):

@@ -130,15 +130,21 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).expand(b, s)
         x = self.embed(tokens, position_ids) if self.embed is not None else tokens
+        x = self.run_layers(x, position_ids, self.layers.values())  # [b, s, h]
+        return x if self.head is None else self.output(x, labels)
+
+    def run_layers(self, x, position_ids, layers):  # [b, s, h] -> [b, s, h]
         rotary = (self.rope_cos, self.rope_sin)
-        for layer in self.layers.values():
-            x = layer(x, rotary, position_ids)  # [b, s, h]
-        if self.head is None:
-            return x
+        for layer in layers:
+            x = layer(x, rotary, position_ids)
+        return x
+
+    def output(self, x, labels=None):
+        """The head: per-token losses `[b, s]` with labels, else logits `[b, s, V]`."""
         tied = self.embed.word.weight if self.head.output is None else None
         if labels is None:
-            return self.head(x, tied)  # logits [b, s, V]
-        return self.head.loss(x, labels, tied)  # [b, s]
+            return self.head(x, tied)
+        return self.head.loss(x, labels, tied)
 
     @torch.no_grad()
     def init_weights(self, seed: int):
@@ -171,10 +177,16 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def build_model(cfg: ModelConfig, core: AttentionCore, seed: int,
-                device: torch.device = torch.device("cpu")) -> GPT:
-    """Build on the meta device (no memory), materialize on `device`, initialize."""
+                device: torch.device = torch.device("cpu"), keep=None) -> GPT:
+    """Build on the meta device (no memory), materialize on `device`, initialize.
+
+    `keep(model)`, if given, drops the parts this rank does not hold (a pipeline stage)
+    while the model is still on meta, so only the kept parameters take memory.
+    """
     with torch.device("meta"):
         model = GPT(cfg, core)
+    if keep is not None:
+        keep(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
@@ -182,3 +194,9 @@ def build_model(cfg: ModelConfig, core: AttentionCore, seed: int,
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the whole model, whatever part of it this rank holds (built on meta)."""
+    with torch.device("meta"):
+        return count_parameters(GPT(cfg))

@@ -11,6 +11,10 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
     all_reduce      2 N (P-1)/P      reduce-scatter + all-gather
     all_gather      N (P-1)/P        N = the gathered output
     reduce_scatter  N (P-1)/P        N = the full input
+    p2p             N                N = each tensor sent to another pipeline stage
+                                     (activations forward, their gradients backward;
+                                     torch.distributed.pipelining issues these, counted
+                                     in `count_p2p`)
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # torch 2.13 renamed these; the old names still work but warn.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 class CommStats:
@@ -90,6 +97,48 @@ class Comm:
         self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
+
+    def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int):
+        """In place: `tensor` + the same tensor of rank `peer` of the `dim` group (which
+        calls this with us as its peer). Both end with bitwise equal sums: a + b == b + a.
+        For the tied word embedding of the first and last pipeline stage."""
+        group = self.group(dim)
+        other = dist.get_global_rank(group, peer)
+        received = torch.empty_like(tensor)
+        self.stats.add("p2p", _nbytes(tensor))
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, other, group),
+                                        dist.P2POp(dist.irecv, received, other, group)])
+        for w in works:
+            w.wait()
+        tensor += received
+
+    def count_p2p(self, ops):
+        """Count the sends among torch.distributed.pipelining's P2POps (it issues them)."""
+        for op in ops:
+            if op.op is dist.isend:
+                self.stats.add("p2p", _nbytes(op.tensor))
+
+    def gather_object(self, obj, dim: str):
+        """Rank 0 of the `dim` group gets everybody's `obj` (pickled) in rank order; the
+        others get None. Only the ranks of one group need to call it."""
+        if self.size(dim) == 1:
+            return [obj]
+        group = self.group(dim)
+        out = [None] * self.size(dim) if self.rank(dim) == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+        return out
+
+    def pop_busiest_bytes(self) -> dict:
+        """Bytes per kind sent since the last call by the rank that sent the most of that
+        kind: every rank's figure on symmetric grids; pipeline stages differ (the first
+        sends no gradients, the last no activations). Every rank must call it."""
+        mine = self.stats.pop()
+        if not self.meshes:
+            return mine
+        t = torch.tensor([float(mine.get(k, 0)) for k in BYTE_KINDS], dtype=torch.float64,
+                         device=self.meshes["world"].device_type)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: not itself counted
+        return {k: v for k, v in zip(BYTE_KINDS, t.tolist()) if v}
 
     def barrier(self):
         if self.meshes:

@@ -42,7 +42,7 @@ class ParallelDims:
         return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
 
     def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, pipeline_schedule: str = "1f1b"):
         """Rules that depend on the grid and the model together (one message each)."""
         sp_flag, tp_flag = "--ds-sequence-parallel-size", "--tensor-model-parallel-size"
         for size, flag in ((m.ffn_size, "--ffn-hidden-size"),
@@ -70,6 +70,20 @@ class ParallelDims:
         if global_batch_size % (micro_batch_size * self.dp):
             raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
                               f"by --micro-batch-size * dp = {micro_batch_size}*{self.dp}")
+        if self.pp > 1:
+            self._validate_micro_batches(global_batch_size // (micro_batch_size * self.dp),
+                                         pipeline_schedule)
+
+    def _validate_micro_batches(self, n: int, schedule: str):
+        """Micro-batches per step = global batch / (micro batch * dp), per schedule."""
+        why = f"gives {n} micro-batches per pipeline (--global-batch-size / " \
+              f"(--micro-batch-size * dp))"
+        if schedule == "1f1b" and n < self.pp:
+            raise ConfigError("--global-batch-size", f"{why}; 1f1b needs at least pp = "
+                              f"{self.pp}")
+        if schedule in ("interleaved-1f1b", "zero-bubble") and n % self.pp:
+            raise ConfigError("--global-batch-size", f"{why}; {schedule} needs a multiple "
+                              f"of pp = {self.pp}")
 
     def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
         """{"world": the 4-D mesh, "pp"/"dp"/"sp"/"tp": its 1-D slices, "dp_sp": flattened}."""

@@ -128,10 +128,12 @@ def step_context(comm):
     return stack
 
 
-def materialize_partial_grads(params, tp_mesh):
-    """Gradients of parameters replicated over tp but fed by sequence shards (norms under
-    SP) come out as Partial sums: all-reduce them into replicated gradients."""
+def align_grads(params, tp_mesh):
+    """Each gradient in its parameter's layout. Replicated parameters fed by sequence
+    shards (norms under SP) get Partial sums: all-reduced here. Sharded parameters can get
+    a replicated gradient (DTensor's vocab-parallel embedding backward): this rank keeps
+    its shard, no communication."""
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            p.grad = g.redistribute(tp_mesh, [Replicate()])
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(tp_mesh, p.placements)

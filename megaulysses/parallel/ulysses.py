@@ -19,8 +19,6 @@ up to the (P-1)/P a rank keeps for itself.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from megaulysses.model.attention import AttentionCore
@@ -61,21 +59,6 @@ def apply_ulysses(model, comm: Comm, dim: str = "sp"):
         if layer is not None:
             layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
     return model
-
-
-@contextlib.contextmanager
-def unwrapped_attention(model):
-    """Plain attention inside (e.g. for sampling on one rank), Ulysses again after."""
-    wrapped = {}
-    for name, layer in model.layers.items():
-        if layer is not None and isinstance(layer.attn.core, UlyssesAttention):
-            wrapped[name] = layer.attn.core
-            layer.attn.core = layer.attn.core.core
-    try:
-        yield model
-    finally:
-        for name, core in wrapped.items():
-            model.layers[name].attn.core = core
 
 
 def slice_sequence(t: torch.Tensor, comm: Comm, dim: str = "sp") -> torch.Tensor:

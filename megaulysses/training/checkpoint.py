@@ -26,11 +26,16 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 log = logging.getLogger(__name__)
 
 MARKER = "latest_checkpointed_iteration.txt"
+# Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
+# pipeline stages hold different parameters, so a nested per-rank list of param groups
+# would not survive DCP's de-duplication; flat keys also load on any other grid.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 STATE_FILE = "trainer_state.json"
 
 
@@ -84,7 +89,7 @@ def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_sh
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
         os.makedirs(tmp)
     barrier()  # the directory exists before anybody writes into it
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     with warnings.catch_warnings():  # single process: DCP warns that it runs without a group
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
@@ -148,7 +153,7 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
     _check_shape(path, meta.get("model", {}), model_shape)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
         with warnings.catch_warnings():
@@ -160,7 +165,7 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
-                   optim_state_dict=state_dict["optim"])
+                   optim_state_dict=state_dict["optim"], options=OPTIONS)
     if rng is not None:
         _set_rng_state(rng)
     else:  # saved on fewer ranks: this rank has no stream to continue

@@ -109,25 +109,52 @@ class LossScaler:
 
 
 @torch.no_grad()
-def unscale_and_clip(params, inv_scale: float, max_norm: float) -> float:
+def unscale_and_clip(params, inv_scale: float, max_norm: float, exclude=(),
+                     sum_squares=None) -> float:
     """Unscale grads (fp16), return the global grad norm; clip when max_norm > 0.
 
-    Gradients must already be reduced over data/sequence ranks; sharded (DTensor) ones
-    contribute their whole norm across the tensor-parallel ranks. A non-finite norm is
-    returned as is (the caller skips the step, grads untouched).
+    Gradients must already be reduced over data/sequence ranks and be in their
+    parameter's layout. `exclude`: parameters clipped but not counted (a copy counted
+    elsewhere: the tied embedding on the last pipeline stage). `sum_squares(sharded,
+    whole)`: on a grid, turns this rank's squared norms of its tensor-parallel shards and
+    of its whole (replicated) gradients into the global squared norm (summing the first
+    over tp, and both over the pipeline stages). A non-finite norm is returned as is
+    (the caller skips the step, grads untouched).
     """
-    kinds = ([p.grad for p in params if p.grad is not None and isinstance(p.grad, DTensor)],
-             [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)])
-    kinds = [k for k in kinds if k]
+    skip = {id(p) for p in exclude}
+    grads = [p.grad for p in params if p.grad is not None]
     if inv_scale != 1.0:
-        for grads in kinds:
-            torch._foreach_mul_(grads, inv_scale)
-    parts = []
-    for grads in kinds:
-        n = torch.nn.utils.get_total_norm(grads)
-        parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    norm = torch.linalg.vector_norm(torch.stack(parts)).item() if parts else 0.0
+        for kind in _by_kind(grads):
+            torch._foreach_mul_(kind, inv_scale)
+    norm = _global_norm([p.grad for p in params if p.grad is not None and id(p) not in skip],
+                        sum_squares)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        for grads in kinds:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        for kind in _by_kind(grads):
+            torch._foreach_mul_(kind, max_norm / (norm + 1e-6))
     return norm
+
+
+def _global_norm(grads: list, sum_squares) -> float:
+    if not grads:
+        return 0.0
+    if sum_squares is None:  # one process: every gradient is whole and here
+        return float(torch.nn.utils.get_total_norm(grads))
+    # Local tensors, reduced by the caller: a DTensor norm of a list mixing sharded and
+    # replicated gradients is not reliably the global one.
+    sharded = [g.to_local() for g in grads if _is_sharded(g)]
+    whole = [g.to_local() if isinstance(g, DTensor) else g for g in grads if not _is_sharded(g)]
+    zero = torch.zeros((), device=grads[0].device)
+    sharded_sq, whole_sq = (torch.nn.utils.get_total_norm(k).float() ** 2 if k else zero.clone()
+                            for k in (sharded, whole))
+    return float(sum_squares(sharded_sq, whole_sq).sqrt())
+
+
+def _is_sharded(g) -> bool:
+    return isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)
+
+
+def _by_kind(grads: list) -> list[list]:
+    """DTensor and plain gradients apart: a foreach kernel takes one kind per call."""
+    kinds = ([g for g in grads if isinstance(g, DTensor)],
+             [g for g in grads if not isinstance(g, DTensor)])
+    return [k for k in kinds if k]

@@ -20,17 +20,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megaulysses.config import Config
+from megaulysses.config import Config, pipeline_layout
 from megaulysses.data.build import build_datasets, load_tokenizer
 from megaulysses.data.loader import BatchBuilder
-from megaulysses.model.attention import select_backend
+from megaulysses.model.attention import sdpa_attention, select_backend
 from megaulysses.model.generate import sample
-from megaulysses.model.gpt import build_model, count_parameters
+from megaulysses.model.gpt import build_model, count_parameters, parameter_count
 from megaulysses.parallel.comm import Comm, GradReducer
 from megaulysses.parallel.dims import ParallelDims, init_distributed
-from megaulysses.parallel.tensor import (apply_tensor_parallel, materialize_partial_grads,
+from megaulysses.parallel.pipeline import Pipeline, full_state_dict, keep_stages, local_stages
+from megaulysses.parallel.tensor import (apply_tensor_parallel, align_grads,
                                          step_context as tp_step_context)
-from megaulysses.parallel.ulysses import apply_ulysses, unwrapped_attention
+from megaulysses.parallel.ulysses import apply_ulysses
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
@@ -63,26 +64,41 @@ def _to(b: dict, device) -> tuple:
             b["loss_mask"].to(device))
 
 
-def global_sum(comm: Comm, value: float, device) -> float:
-    """Sum of a per-rank number over the ranks that see different tokens (dp x sp)."""
+def _on(b: dict, device) -> dict:
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def global_sum(comm: Comm, value: float, device, dims=("dp_sp",)) -> float:
+    """Sum of a per-rank number over the ranks that see different tokens (dp x sp), and
+    over "pp" for numbers only the last pipeline stage knows (losses)."""
     t = torch.tensor(value, dtype=torch.float64, device=device)
-    comm.all_reduce_sum(t, "dp_sp")
+    for dim in dims:
+        comm.all_reduce_sum(t, dim)
     return float(t)
 
 
 def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, device,
-               dtype, comm: Comm, reducer: Optional[GradReducer] = None) -> StepResult:
+               dtype, comm: Comm, reducer: Optional[GradReducer] = None,
+               pipeline: Optional[Pipeline] = None) -> StepResult:
     with tp_step_context(comm):
-        return _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
-                           reducer)
+        # The global loss-token count is known before any forward: every backward divides
+        # by it, so the summed gradients are exactly those of the global mean loss.
+        tokens = global_sum(comm, sum(float(b["loss_mask"].sum()) for b in batches), device)
+        denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
+        if pipeline is None:
+            loss_sum = _forward_backward(model, batches, scaler.scale / denom, device, dtype,
+                                         reducer)
+        else:
+            with autocast(device, dtype):
+                loss_sum = pipeline.step([_on(b, device) for b in batches], scaler.scale / denom)
+        norm, skipped = _finish_grads_and_step(optimizer, scaler, clip_grad, comm, reducer,
+                                               pipeline)
+    loss = global_sum(comm, loss_sum, device, ("dp_sp", "pp")) / denom
+    return StepResult(loss, norm, skipped, int(tokens))
 
 
-def _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, comm,
-                reducer) -> StepResult:
-    # The global loss-token count is known before any forward: every backward divides by
-    # it, so the summed gradients are exactly those of the global mean loss.
-    tokens = global_sum(comm, sum(float(b["loss_mask"].sum()) for b in batches), device)
-    denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
+def _forward_backward(model, batches, grad_scale: float, device, dtype, reducer) -> float:
+    """Every micro-batch, one after the other; gradients of sum(losses) * grad_scale."""
     loss_sum = torch.zeros((), device=device)
     for i, b in enumerate(batches):
         tok, pos, lab, mask = _to(b, device)
@@ -91,44 +107,64 @@ def _train_step(model, batches, optimizer, scaler, clip_grad, device, dtype, com
         micro_sum = (losses * mask).sum()
         if reducer is not None and i == len(batches) - 1:
             reducer.arm()  # the last backward reduces gradients over dp x sp as it runs
-        (micro_sum * (scaler.scale / denom)).backward()
+        (micro_sum * grad_scale).backward()
         loss_sum += micro_sum.detach()
+    return float(loss_sum)
+
+
+def _finish_grads_and_step(optimizer, scaler, clip_grad, comm, reducer, pipeline):
+    """Reduce gradients over dp x sp (and the tied pair), clip by the global norm, step."""
     if reducer is not None:
-        reducer.finish()
+        reducer.finish()  # under pp nothing was armed: all buckets are reduced here
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if comm.size("tp") > 1:
-        materialize_partial_grads(params, comm.mesh("tp"))
-    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad)  # grads equal on all ranks
+        align_grads(params, comm.mesh("tp"))
+    if pipeline is not None:
+        pipeline.sync_tied_grads()  # after align_grads: both copies' gradients are shards
+    excluded = pipeline.norm_excluded if pipeline is not None else []
+    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad, exclude=excluded,
+                            sum_squares=_grid_sum_squares(comm) if comm.meshes else None)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()
     scaler.update(overflow=skipped)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(global_sum(comm, float(loss_sum), device) / denom, norm, skipped,
-                      int(tokens))
+    return norm, skipped
+
+
+def _grid_sum_squares(comm: Comm):
+    """Global squared grad norm from this rank's parts: tensor-parallel shards summed over
+    tp, then every stage's share summed over pp (dp x sp ranks hold equal gradients)."""
+    def total(sharded_sq: torch.Tensor, whole_sq: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce_sum(sharded_sq, "tp")
+        t = sharded_sq + whole_sq
+        comm.all_reduce_sum(t, "pp")
+        return t
+    return total
 
 
 @torch.no_grad()
 def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device, dtype,
-             comm: Comm) -> float:
+             comm: Comm, pipeline: Optional[Pipeline] = None) -> float:
     """Token-weighted mean loss over `iters` global batches starting at `first_sample`.
     Its collectives are not counted: the logged bytes are those of training steps."""
     with tp_step_context(comm), comm.stats.paused():
-        return _evaluate(model, builder, first_sample, iters, device, dtype, comm)
-
-
-def _evaluate(model, builder, first_sample, iters, device, dtype, comm) -> float:
-    model.eval()
-    total, count = 0.0, 0.0
-    for i in range(iters):
-        for b in builder.micro_batches(first_sample + i * builder.gbs):
-            tok, pos, lab, mask = _to(b, device)
+        model.eval()
+        total, count = 0.0, 0.0
+        for i in range(iters):
+            batches = [_on(b, device) for b in builder.micro_batches(first_sample + i * builder.gbs)]
             with autocast(device, dtype):
-                losses = model(tok, pos, lab)
-            total += float((losses * mask).sum())
-            count += float(mask.sum())
-    model.train()
-    return global_sum(comm, total, device) / max(global_sum(comm, count, device), 1.0)
+                total += (pipeline.evaluate(batches) if pipeline is not None
+                          else sum(_eval_micro(model, b) for b in batches))
+            count += sum(float(b["loss_mask"].sum()) for b in batches)
+        model.train()
+        total = global_sum(comm, total, device, ("dp_sp", "pp"))
+        return total / max(global_sum(comm, count, device), 1.0)
+
+
+def _eval_micro(model, b: dict) -> float:
+    losses = model(b["tokens"], b["position_ids"], b["labels"])  # [b, s/sp]
+    return float((losses * b["loss_mask"]).sum())
 
 
 def seed_everything(seed: int):
@@ -148,18 +184,25 @@ class Trainer:
         self.rank, world = init_distributed(self.device)
         par = cfg.parallel
         self.dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
+                                            pp=par.pipeline_model_parallel_size,
                                             sp=par.ds_sequence_parallel_size)
         self.sequence_parallel = par.sequence_parallel and self.dims.tp > 1  # as Megatron
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
         self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
-                           self.sequence_parallel)
+                           self.sequence_parallel, par.pipeline_schedule)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
         name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
-        self.model = build_model(cfg.model, core, t.seed, self.device)
+        self.layout = pipeline_layout(cfg.model.num_layers, par) if self.dims.pp > 1 else None
+        keep = None
+        if self.layout is not None:
+            stages = local_stages(len(self.layout), self.dims.pp, self.comm.rank("pp"))
+            keep = lambda m: keep_stages(m, self.layout, stages)  # noqa: E731
+        self.model = build_model(cfg.model, core, t.seed, self.device, keep=keep)
         self._parallelize()
         self.model.train()
+        self.pipeline = self._build_pipeline() if self.layout is not None else None
         self.reducer = (GradReducer(list(self.model.parameters()), self.comm, "dp_sp")
                         if self.comm.size("dp_sp") > 1 else None)
         self.optimizer = build_optimizer(self.model, t)
@@ -175,6 +218,14 @@ class Trainer:
         if self.dims.tp > 1:
             apply_tensor_parallel(self.model, self.comm.mesh("tp"), self.sequence_parallel)
         apply_ulysses(self.model, self.comm)
+
+    def _build_pipeline(self) -> Pipeline:
+        m, t, d = self.cfg.model, self.cfg.train, self.dims
+        s_tok = m.seq_length // d.sp  # this rank's tokens of a sample
+        s_hid = s_tok // d.tp if self.sequence_parallel else s_tok  # between blocks
+        return Pipeline(self.model, self.comm, self.layout, self.cfg.parallel.pipeline_schedule,
+                        self.train_data.num_micro, (t.micro_batch_size, s_tok, s_hid,
+                                                    m.hidden_size), self.device)
 
     def _build_data(self):
         """Rank 0 builds (and caches) the sample indices first; the others then load them."""
@@ -202,11 +253,18 @@ class Trainer:
                  "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",
                  m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
                  m.seq_length, m.vocab_size, m.padded_vocab_size, style,
-                 count_parameters(self.model) / 1e6, backend, self.dtype, self.device)
+                 parameter_count(m) / 1e6, backend,
+                 self.dtype, self.device)
         d = self.dims
         log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)%s", d.world, d.dp,
                  d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if
                  self.sequence_parallel else "")
+        if self.pipeline is not None:
+            log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
+                     "rank), layers per stage %s; rank 0 holds %.2fM parameters",
+                     self.cfg.parallel.pipeline_schedule, self.pipeline.n_micro,
+                     len(self.layout), len(self.layout) // d.pp, [len(s) for s in self.layout],
+                     count_parameters(self.model) / 1e6)
 
     def _load(self, load_dir: str):
         path = ckpt.find_checkpoint(load_dir)
@@ -240,7 +298,7 @@ class Trainer:
             t0 = time.perf_counter()
             batches = self.train_data.micro_batches(self.state.consumed_train_samples)
             r = train_step(self.model, batches, self.optimizer, self.scaler, t.clip_grad,
-                           self.device, self.dtype, self.comm, self.reducer)
+                           self.device, self.dtype, self.comm, self.reducer, self.pipeline)
             window.add(r, time.perf_counter() - t0, t.global_batch_size * cfg.model.seq_length)
             self.state.iteration += 1
             self.state.consumed_train_samples += t.global_batch_size
@@ -268,7 +326,7 @@ class Trainer:
 
     def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
-                        self.dtype, self.comm)
+                        self.dtype, self.comm, self.pipeline)
         log.info("%s loss at iteration %d: %.4f | ppl %.2f", split, self.state.iteration, loss,
                  math.exp(min(loss, 50.0)))
         key = "eval_loss" if split == "valid" else "test_loss"
@@ -290,7 +348,7 @@ class Trainer:
                "tflops_per_device": tflops, "mfu": tflops / peak,
                "skipped_iterations": self.state.skipped_iterations,
                **memory_stats(self.device)}
-        for kind, nbytes in self.comm.stats.pop().items():  # bytes this rank sent, per iter
+        for kind, nbytes in self.comm.pop_busiest_bytes().items():  # per iteration
             rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
         if isinstance(self.scaler, LossScaler):
             rec["loss_scale"] = self.scaler.scale
@@ -305,20 +363,23 @@ class Trainer:
         return rec
 
     def generate(self):
-        """Rank 0 samples with plain attention (parameters are whole on every sp rank); under
-        tensor parallelism every rank runs the same sampling, in step, and rank 0 prints."""
+        """Rank 0 samples from a whole, single-device copy of the model (on a grid the
+        shards and stages are gathered to it first: every rank takes part in that)."""
         t = self.cfg.train
-        if not t.generate or (self.rank != 0 and self.dims.tp == 1):
+        if not t.generate:
             return None
+        model = self.model
+        if self.dims.world > 1:
+            state = full_state_dict(self.model, self.comm)
+            if self.rank != 0:
+                return None
+            model = build_model(self.cfg.model, sdpa_attention, t.seed, self.device)
+            model.load_state_dict(state)
         prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
         prompt = prompt or [self.tokenizer.eod]  # start of a new document
-        with unwrapped_attention(self.model):
-            new = sample(self.model, prompt, t.generate, self.cfg.model.seq_length,
-                         self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
-                         seed=t.seed, length_multiple=self.dims.tp if self.sequence_parallel
-                         else 1)
-        if self.rank != 0:
-            return None
+        new = sample(model, prompt, t.generate, self.cfg.model.seq_length,
+                     self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
+                     seed=t.seed)
         return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
 
 

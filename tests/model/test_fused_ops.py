@@ -118,13 +118,22 @@ def test_linear_cross_entropy_bf16_autocast():
     assert_close(got, ref, BF16_TOL)
 
 
-def test_linear_cross_entropy_backward_twice_is_refused():
+def test_linear_cross_entropy_second_backward():
+    """Zero-bubble pipelines run backward twice (inputs, then weights) with the same
+    gradient: the second gives the same gradients. A different gradient is refused."""
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(16, 8, requires_grad=True)
-    loss = fused.linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.long)).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward twice"):
-        loss.backward()
+    loss = fused.linear_cross_entropy(x, w, torch.tensor([0, 3, 15, 7])).sum()
+    dx1, dw1 = torch.autograd.grad(loss, (x, w), retain_graph=True)
+    dx2, dw2 = torch.autograd.grad(loss, (x, w), retain_graph=True)
+    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
+    xr = x.detach().clone().requires_grad_()
+    wr = w.detach().clone().requires_grad_()
+    plain_linear_ce(xr, wr, torch.tensor([0, 3, 15, 7])).sum().backward()
+    assert_close(dx2, xr.grad)
+    assert_close(dw2, wr.grad)
+    with pytest.raises(RuntimeError, match="different gradient"):
+        (loss * 2).backward()
 
 
 # ---- attention by query blocks ----------------------------------------------------------

@@ -1,0 +1,199 @@
+"""Pipeline parallelism: the GPT cut into stages by layers, run by torch.distributed.pipelining.
+
+Stage s of S = pp * v holds the layers `config.pipeline_layout` gives it; the first stage
+also the embedding, the last the final norm, the output layer and the loss. Stage s runs on
+pipeline rank s % pp, so with v virtual stages rank r holds stages r, r + pp, ... (the loop
+order the interleaved schedules expect). Each rank builds one GPT holding only its parts
+(`keep_stages`, applied on the meta device): parameter names never change, so initial
+values and checkpoints are the same on every grid. The schedule runs `StageModule`s,
+views over that model's parts.
+
+What crosses a stage boundary: the hidden states of one micro-batch, `[b, s/sp, h]`
+(Ulysses: this rank's sequence slice) or `[b, s/(sp*tp), h]` under Megatron-SP, fp32, as
+plain tensors (tp ranks hold equal copies, or their own sequence shard); their gradients
+go back. Tokens, positions, labels and loss masks are known on every rank (every rank
+reads the batch), so each stage gets them as keyword arguments instead of over the wire.
+
+Tied embeddings: the last stage keeps its own copy of `embed.word.weight` (same name,
+same initial value). After backward the gradients of the two copies are summed between
+the first and the last stage (`Comm.pair_sum`: both get a + b, bitwise equal), so the
+copies stay identical; the norm counts the first stage's copy only.
+
+Loss: the last stage's loss function sums the token losses under the loss mask and
+scales by (loss scale / global loss-token count), the same contract as without pipeline;
+the schedule does not rescale gradients (`scale_grads=False`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
+
+from megaulysses.parallel.comm import Comm, _local
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+SINGLE_STAGE = ("gpipe", "1f1b")  # these take one stage; the others a list of stages
+
+
+def local_stages(num_stages: int, pp: int, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs: pp_rank, pp_rank + pp, ..."""
+    return list(range(pp_rank, num_stages, pp))
+
+
+def keep_stages(model, layout: list[list[int]], stages: list[int]):
+    """Drop (on meta) every part of `model` that none of `stages` uses."""
+    owned = {str(i) for s in stages for i in layout[s]}
+    for name in [n for n in model.layers if n not in owned]:
+        del model.layers[name]
+    first, last = 0 in stages, len(layout) - 1 in stages
+    tied = not model.cfg.untie_embeddings_and_output_weights
+    if not first:
+        if last and tied:
+            model.embed.position = None  # the last stage keeps the word embedding only
+        else:
+            model.embed = None
+    if not last:
+        model.head = None
+    return model
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: a view over the parts of this rank's GPT that the stage uses."""
+
+    def __init__(self, model, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        tied_last = last and not model.cfg.untie_embeddings_and_output_weights
+        self.embed = model.embed if first or tied_last else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.head = model.head if last else None
+        self.__dict__["gpt"] = model  # not a submodule: parameters() is this stage's only
+
+    def forward(self, x, position_ids, labels):
+        # x: tokens [b, s/sp] on the first stage, else hidden [b, s/sp, h]
+        if self.first:
+            x = self.embed(x, position_ids)
+        x = self.gpt.run_layers(x, position_ids, self.layers.values())  # [b, s/sp, h]
+        return self.gpt.output(x, labels) if self.last else x  # last: losses [b, s/sp]
+
+
+class _CountedStage(PipelineStage):
+    """PipelineStage whose sends are counted in the Comm's byte ledger."""
+
+    def __init__(self, *args, comm: Comm, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm = comm
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.comm.count_p2p(ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.comm.count_p2p(ops)
+        return ops
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them over the micro-batches of a step.
+
+    `micro_shape`: (micro-batch size, local tokens per sample = seq / sp, local tokens
+    between blocks = seq / sp, or seq / (sp * tp) under Megatron-SP, hidden size).
+    """
+
+    def __init__(self, model, comm: Comm, layout: list[list[int]], schedule: str,
+                 n_micro: int, micro_shape: tuple, device: torch.device):
+        pp, rank = comm.size("pp"), comm.rank("pp")
+        self.model, self.comm, self.n_micro = model, comm, n_micro
+        self.stage_ids = local_stages(len(layout), pp, rank)
+        self.stages = [self._stage(model, layout, s, micro_shape, device)
+                       for s in self.stage_ids]
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(self.stages[0] if schedule in SINGLE_STAGE else self.stages,
+                            n_micro, loss_fn=self._loss, scale_grads=False)
+        self.has_first, self.has_last = 0 in self.stage_ids, len(layout) - 1 in self.stage_ids
+        tied = not model.cfg.untie_embeddings_and_output_weights
+        # The tied pair: pipeline rank 0 (stage 0) and rank pp - 1 (the last stage).
+        self.tied_peer = (pp - 1 if self.has_first else 0 if self.has_last else None
+                          ) if tied else None
+        self.norm_excluded = ([model.embed.word.weight] if tied and self.has_last
+                              and not self.has_first else [])
+        self._sums: list = []
+        self._grad_scale = 1.0
+
+    def _stage(self, model, layout, s: int, micro_shape: tuple, device):
+        b, s_tok, s_hid, h = micro_shape
+        first, last = s == 0, s == len(layout) - 1
+        # Shapes given up front ("static" stages): no shape-inference pass at the first step.
+        hidden = dict(device="meta", requires_grad=True)  # their gradients travel back
+        inputs = (torch.empty(b, s_tok, dtype=torch.long, device="meta") if first
+                  else torch.empty(b, s_hid, h, **hidden))
+        outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
+        module = StageModule(model, layout[s], first, last)
+        return _CountedStage(module, s, len(layout), device, input_args=inputs,
+                             output_args=outputs, group=self.comm.group("pp"), comm=self.comm)
+
+    def _loss(self, losses, mask):  # per-token losses [b, s/sp] fp32, loss mask [b, s/sp]
+        micro = (losses * mask).sum()
+        self._sums.append(micro.detach())
+        return micro * self._grad_scale
+
+    @staticmethod
+    def _inputs(batches: list[dict]):
+        cat = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}  # [n*b, s/sp]
+        return cat["tokens"], dict(position_ids=cat["position_ids"], labels=cat["labels"]), \
+            cat["loss_mask"]
+
+    def _run(self, run, batches) -> float:
+        tokens, kwargs, mask = self._inputs(batches)
+        self._sums = []
+        run(tokens, target=mask, **kwargs)
+        total = torch.zeros(())
+        for micro in self._sums:  # in micro-batch order, as the one-process loop adds them
+            total += micro.float().cpu()
+        return float(total)
+
+    def step(self, batches: list[dict], grad_scale: float) -> float:
+        """Forward and backward of every micro-batch; returns this rank's masked loss sum
+        (non-zero on the last stage only). Gradients are those of sum * grad_scale."""
+        self._grad_scale = grad_scale
+        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k),
+                         batches)
+
+    def evaluate(self, batches: list[dict]) -> float:
+        """Forward only; this rank's masked loss sum (non-zero on the last stage only)."""
+        return self._run(self.schedule.eval, batches)
+
+    def sync_tied_grads(self):
+        """Sum the tied embedding's gradients of the first and last stage (see module doc)."""
+        if self.tied_peer is None:
+            return
+        w = self.model.embed.word.weight
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        self.comm.pair_sum(_local(w.grad), "pp", self.tied_peer)
+
+
+def full_state_dict(model, comm: Comm):
+    """The whole model's state dict on global rank 0 (None elsewhere), from any grid:
+    tensor-parallel shards gathered (every rank takes part), pipeline stages collected
+    from the stages' first (dp = sp = tp = 0) ranks. Costs a full copy on rank 0."""
+    lead = all(comm.rank(d) == 0 for d in ("dp", "sp", "tp"))
+    state = {}
+    for name, t in model.state_dict().items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over tp
+        if lead:
+            state[name] = whole.detach().cpu()
+    if not lead:
+        return None
+    parts = comm.gather_object(state, "pp")  # stage order; the tied copy twice, equal
+    if parts is None:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
