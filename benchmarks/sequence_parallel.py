@@ -49,19 +49,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue as queue_module
-import socket
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _launch import launch  # noqa: E402
 
 from megaulysses.model.attention import sdpa_attention  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
@@ -248,52 +246,6 @@ def run_rank(rank: int, P: int, args) -> dict:
     return result
 
 
-def _worker(rank, P, port, args, out_queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(P), LOCAL_RANK=str(rank))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=P)
-        out_queue.put((rank, "ok", run_rank(rank, P, args)))
-    except BaseException:
-        out_queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(P: int, args) -> list[dict]:
-    """Run `run_rank` on P spawned gloo ranks; their results in rank order."""
-    ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, P, port, args, out_queue), daemon=True)
-             for r in range(P)]
-    for proc in procs:
-        proc.start()
-    results = {}
-    try:
-        for _ in range(P):
-            rank, status, value = out_queue.get(timeout=args.timeout)
-            if status == "error":
-                raise RuntimeError(f"P={P} rank {rank} failed:\n{value}")
-            results[rank] = value
-    except queue_module.Empty:
-        raise RuntimeError(f"P={P}: no result after {args.timeout} s") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=10 if len(results) == P else 0.1)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(P)]
-
-
 # -- summary ----------------------------------------------------------------------------
 
 def summarize(P: int, ranks: list[dict], args) -> dict:
@@ -438,7 +390,7 @@ def main(argv=None):
     results = {}
     for P in args.ranks:
         t0 = time.perf_counter()
-        results[P] = summarize(P, launch(P, args), args)
+        results[P] = summarize(P, launch(run_rank, P, args, timeout=args.timeout), args)
         print(f"P={P} done in {time.perf_counter() - t0:.0f} s", flush=True)
     print()
     print(report(results, args, time.perf_counter() - start))

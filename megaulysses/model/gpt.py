@@ -2,7 +2,9 @@
 
 Parallelism is applied from outside, as transforms: tensor parallel shards the linears,
 Ulysses swaps each `SelfAttention.core`, pipeline drops the parts a stage does not own
-(`embed`, entries of `layers`, `head` may be None), ZeRO wraps blocks. Parameter names
+(`embed`, entries of `layers`, `head` may be None; the last stage of a tied model keeps
+`embed.word` for its output layer) and runs `run_layers` / `output` on its own layers,
+ZeRO wraps blocks. Parameter names
 (`layers.<global index>....`) never change, so initial values and checkpoints are the same
 on every grid.
 """

@@ -83,12 +83,15 @@ class StageModule(nn.Module):
         return self.gpt.output(x, labels) if self.last else x  # last: losses [b, s/sp]
 
 
-class _CountedStage(PipelineStage):
-    """PipelineStage whose sends are counted in the Comm's byte ledger."""
+class _Stage(PipelineStage):
+    """PipelineStage whose sends are counted in the Comm's byte ledger, with a hook that
+    runs before the last micro-batch's backward (to start the dp x sp gradient reduction
+    while that backward runs)."""
 
     def __init__(self, *args, comm: Comm, **kwargs):
         super().__init__(*args, **kwargs)
         self.comm = comm
+        self.before_last_backward = None
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
@@ -99,6 +102,13 @@ class _CountedStage(PipelineStage):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self.comm.count_p2p(ops)
         return ops
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                           last_backward=False):
+        if last_backward and full_backward and self.before_last_backward is not None:
+            self.before_last_backward()
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
 
 
 class Pipeline:
@@ -111,7 +121,7 @@ class Pipeline:
     def __init__(self, model, comm: Comm, layout: list[list[int]], schedule: str,
                  n_micro: int, micro_shape: tuple, device: torch.device):
         pp, rank = comm.size("pp"), comm.rank("pp")
-        self.model, self.comm, self.n_micro = model, comm, n_micro
+        self.model, self.comm, self.n_micro, self.schedule_name = model, comm, n_micro, schedule
         self.stage_ids = local_stages(len(layout), pp, rank)
         self.stages = [self._stage(model, layout, s, micro_shape, device)
                        for s in self.stage_ids]
@@ -137,7 +147,7 @@ class Pipeline:
                   else torch.empty(b, s_hid, h, **hidden))
         outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
         module = StageModule(model, layout[s], first, last)
-        return _CountedStage(module, s, len(layout), device, input_args=inputs,
+        return _Stage(module, s, len(layout), device, input_args=inputs,
                              output_args=outputs, group=self.comm.group("pp"), comm=self.comm)
 
     def _loss(self, losses, mask):  # per-token losses [b, s/sp] fp32, loss mask [b, s/sp]
@@ -170,6 +180,14 @@ class Pipeline:
     def evaluate(self, batches: list[dict]) -> float:
         """Forward only; this rank's masked loss sum (non-zero on the last stage only)."""
         return self._run(self.schedule.eval, batches)
+
+    def overlap_grad_reduction(self, arm):
+        """Call `arm` (GradReducer.arm) before the last backward of a step, so the gradient
+        reduction overlaps it. Only with one stage per rank and whole backwards (1f1b,
+        gpipe): otherwise a parameter's gradient is not final after "its" last backward,
+        and the reduction runs after the schedule instead."""
+        if self.schedule_name in SINGLE_STAGE:
+            self.stages[0].before_last_backward = arm
 
     def sync_tied_grads(self):
         """Sum the tied embedding's gradients of the first and last stage (see module doc)."""

@@ -115,7 +115,7 @@ def _forward_backward(model, batches, grad_scale: float, device, dtype, reducer)
 def _finish_grads_and_step(optimizer, scaler, clip_grad, comm, reducer, pipeline):
     """Reduce gradients over dp x sp (and the tied pair), clip by the global norm, step."""
     if reducer is not None:
-        reducer.finish()  # under pp nothing was armed: all buckets are reduced here
+        reducer.finish()  # reduces what the last backward did not (all, if never armed)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if comm.size("tp") > 1:
         align_grads(params, comm.mesh("tp"))
@@ -205,6 +205,8 @@ class Trainer:
         self.pipeline = self._build_pipeline() if self.layout is not None else None
         self.reducer = (GradReducer(list(self.model.parameters()), self.comm, "dp_sp")
                         if self.comm.size("dp_sp") > 1 else None)
+        if self.pipeline is not None and self.reducer is not None:
+            self.pipeline.overlap_grad_reduction(self.reducer.arm)
         self.optimizer = build_optimizer(self.model, t)
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()

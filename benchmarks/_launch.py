@@ -1,0 +1,63 @@
+"""Run a function on P spawned gloo ranks (127.0.0.1, one torch thread each) for the
+benchmarks: `launch(fn, P, *args, timeout=...)` -> [fn(rank, P, *args) for each rank].
+
+`fn` must be a module-level function of the script (spawn pickles it by name) and return
+plain Python values. A rank that fails raises here with its traceback; a hang raises
+after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, P, port, fn, args, out_queue):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(P), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=P)
+        out_queue.put((rank, "ok", fn(rank, P, *args)))
+    except BaseException:
+        out_queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(fn, P: int, *args, timeout: float = 3600.0) -> list:
+    ctx = mp.get_context("spawn")
+    out_queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, P, port, fn, args, out_queue), daemon=True)
+             for r in range(P)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        for _ in range(P):
+            rank, status, value = out_queue.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"P={P} rank {rank} failed:\n{value}")
+            results[rank] = value
+    except queue_module.Empty:
+        raise RuntimeError(f"P={P}: no result after {timeout} s") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(results) == P else 0.1)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(P)]
