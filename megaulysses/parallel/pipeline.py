@@ -130,9 +130,11 @@ class Pipeline:
                             n_micro, loss_fn=self._loss, scale_grads=False)
         self.has_first, self.has_last = 0 in self.stage_ids, len(layout) - 1 in self.stage_ids
         tied = not model.cfg.untie_embeddings_and_output_weights
-        # The tied pair: pipeline rank 0 (stage 0) and rank pp - 1 (the last stage).
-        self.tied_peer = (pp - 1 if self.has_first else 0 if self.has_last else None
-                          ) if tied else None
+        self.tied_peer = None  # the tied pair: pipeline rank 0 (stage 0) and rank pp - 1
+        if tied and self.has_first:
+            self.tied_peer = pp - 1
+        elif tied and self.has_last:
+            self.tied_peer = 0
         self.norm_excluded = ([model.embed.word.weight] if tied and self.has_last
                               and not self.has_first else [])
         self._sums: list = []
@@ -147,24 +149,24 @@ class Pipeline:
                   else torch.empty(b, s_hid, h, **hidden))
         outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
         module = StageModule(model, layout[s], first, last)
-        return _Stage(module, s, len(layout), device, input_args=inputs,
-                             output_args=outputs, group=self.comm.group("pp"), comm=self.comm)
+        return _Stage(module, s, len(layout), device, input_args=inputs, output_args=outputs,
+                      group=self.comm.group("pp"), comm=self.comm)
 
     def _loss(self, losses, mask):  # per-token losses [b, s/sp] fp32, loss mask [b, s/sp]
         micro = (losses * mask).sum()
         self._sums.append(micro.detach())
         return micro * self._grad_scale
 
-    @staticmethod
-    def _inputs(batches: list[dict]):
-        cat = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}  # [n*b, s/sp]
-        return cat["tokens"], dict(position_ids=cat["position_ids"], labels=cat["labels"]), \
-            cat["loss_mask"]
-
-    def _run(self, run, batches) -> float:
-        tokens, kwargs, mask = self._inputs(batches)
+    def _run(self, batches: list[dict], train: bool) -> float:
+        # The schedule cuts these [n*b, s/sp] tensors back into the n micro-batches.
+        cat = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        inputs = dict(target=cat["loss_mask"], position_ids=cat["position_ids"],
+                      labels=cat["labels"])
         self._sums = []
-        run(tokens, target=mask, **kwargs)
+        if train:
+            self.schedule.step(cat["tokens"], return_outputs=False, **inputs)
+        else:
+            self.schedule.eval(cat["tokens"], **inputs)
         total = torch.zeros(())
         for micro in self._sums:  # in micro-batch order, as the one-process loop adds them
             total += micro.float().cpu()
@@ -174,12 +176,11 @@ class Pipeline:
         """Forward and backward of every micro-batch; returns this rank's masked loss sum
         (non-zero on the last stage only). Gradients are those of sum * grad_scale."""
         self._grad_scale = grad_scale
-        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k),
-                         batches)
+        return self._run(batches, train=True)
 
     def evaluate(self, batches: list[dict]) -> float:
         """Forward only; this rank's masked loss sum (non-zero on the last stage only)."""
-        return self._run(self.schedule.eval, batches)
+        return self._run(batches, train=False)
 
     def overlap_grad_reduction(self, arm):
         """Call `arm` (GradReducer.arm) before the last backward of a step, so the gradient
