@@ -263,7 +263,7 @@ class Trainer:
                  self.sequence_parallel else "")
         if self.pipeline is not None:
             log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
-                     "rank), layers per stage %s; rank 0 holds %.2fM parameters",
+                     "rank), layers per stage %s; the first stage holds %.2fM parameters",
                      self.cfg.parallel.pipeline_schedule, self.pipeline.n_micro,
                      len(self.layout), len(self.layout) // d.pp, [len(s) for s in self.layout],
                      count_parameters(self.model) / 1e6)
