@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _launch import launch  # noqa: E402
+from _common import launch, table  # noqa: E402
 
 from megaulysses.config import ModelConfig, ParallelConfig, pipeline_layout  # noqa: E402
 from megaulysses.model.attention import select_backend  # noqa: E402
@@ -252,18 +252,11 @@ def summarize(pp: int, ranks: list[dict], args) -> dict:
         steps = [max(r["step"][i] for r in per_rank) for i in range(args.reps)]
         i = steps.index(statistics.median_low(steps))  # the median rep, every rank in it
         busy = [r["busy"][i] for r in per_rank]
-        rows[schedule] = {"step": steps[i], "busy": busy, "peak": [max(r["peak"]) for r in per_rank],
+        rows[schedule] = {"step": steps[i], "busy": busy,
+                          "peak": [max(r["peak"]) for r in per_rank],
                           "virtual": per_rank[0]["virtual"],
                           "loss": next(r["loss"] for r in per_rank if r["loss"] is not None)}
     return rows
-
-
-def _table(header, rows) -> str:
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                     + [fmt(r) for r in cells[1:]])
 
 
 def report(results: dict, base: dict, args, wall: float) -> str:
@@ -285,8 +278,8 @@ def report(results: dict, base: dict, args, wall: float) -> str:
                              f"{idle:.2f}", f"{100 * idle / r['step']:.1f}",
                              theory(pp, m, schedule, r["virtual"]),
                              f"{r['peak'][rank] / mib:.1f}", flight])
-    lines.append(_table(["pp", "schedule", "rank", "step s", "busy s", "idle s", "bubble %",
-                         "theory %", "peak act MiB", "in flight"], rows))
+    lines.append(table(["pp", "schedule", "rank", "step s", "busy s", "idle s", "bubble %",
+                        "theory %", "peak act MiB", "in flight"], rows))
     lines += ["", f"baseline, 1 rank, no pipeline: {base['step']:.2f} s/step, peak activations "
               f"{base['peak'] / mib:.1f} MiB, loss {base['loss']:.6f}", "",
               "ratios (step time: baseline / schedule = speed-up; peak activations of the "
@@ -299,8 +292,8 @@ def report(results: dict, base: dict, args, wall: float) -> str:
             rows.append([pp, schedule, f"{base['step'] / r['step']:.2f}",
                          f"{res['gpipe']['step'] / r['step']:.2f}" if "gpipe" in res else "-",
                          mem, f"{r['loss']:.6f}"])
-    lines.append(_table(["pp", "schedule", "speed-up vs 1 rank", "speed vs gpipe",
-                         "peak act vs gpipe", "loss"], rows))
+    lines.append(table(["pp", "schedule", "speed-up vs 1 rank", "speed vs gpipe",
+                        "peak act vs gpipe", "loss"], rows))
     losses = [r["loss"] for res in results.values() for r in res.values()] + [base["loss"]]
     spread = max(losses) - min(losses)
     lines.append(f"same loss everywhere (fp32, 1e-5): {'yes' if spread < 1e-5 else 'NO'} "

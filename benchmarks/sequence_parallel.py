@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _launch import launch  # noqa: E402
+from _common import launch, table  # noqa: E402
 
 from megaulysses.model.attention import sdpa_attention  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
@@ -275,14 +275,6 @@ def _max_per_kind(dicts) -> dict:
     return out
 
 
-def _table(header, rows) -> str:
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                     + [fmt(r) for r in cells[1:]])
-
-
 def report(results: dict, args, wall: float) -> str:
     cores = len(os.sched_getaffinity(0))
     lines = [
@@ -306,16 +298,16 @@ def report(results: dict, args, wall: float) -> str:
                          f"{r['time_range'][1] * 1e3:.0f})",
                          "-" if method == "ulysses" else
                          f"{r['diff'][0]:.1e} / {r['diff'][1]:.1e}"])
-    lines.append(_table(["P", "method", "forward bytes", "backward bytes", "bytes = theory",
-                         "time ms (min-max)", "max |diff| vs ours (y / dx)"], rows))
+    lines.append(table(["P", "method", "forward bytes", "backward bytes", "bytes = theory",
+                        "time ms (min-max)", "max |diff| vs ours (y / dx)"], rows))
     lines += ["", "ratios (bytes: forward + backward):"]
     rows = []
     for P, res in results.items():
         r = res["rows"]
         rows.append([P] + [_ratio(r, "ulysses", other, what)
                            for other in ("megatron-sp", "deepspeed") for what in ("bytes", "time")])
-    lines.append(_table(["P", "bytes ours/megatron-sp", "time ours/megatron-sp",
-                         "bytes ours/deepspeed", "time ours/deepspeed"], rows))
+    lines.append(table(["P", "bytes ours/megatron-sp", "time ours/megatron-sp",
+                        "bytes ours/deepspeed", "time ours/deepspeed"], rows))
     lines.append("")
     first = next(iter(results.values()))
     if first["ds_error"]:

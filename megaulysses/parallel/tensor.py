@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard

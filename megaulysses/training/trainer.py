@@ -59,12 +59,8 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _to(b: dict, device) -> tuple:
-    return (b["tokens"].to(device), b["position_ids"].to(device), b["labels"].to(device),
-            b["loss_mask"].to(device))
-
-
 def _on(b: dict, device) -> dict:
+    """A micro-batch (tokens, position_ids, labels, loss_mask) moved to `device`."""
     return {k: v.to(device) for k, v in b.items()}
 
 
@@ -101,10 +97,10 @@ def _forward_backward(model, batches, grad_scale: float, device, dtype, reducer)
     """Every micro-batch, one after the other; gradients of sum(losses) * grad_scale."""
     loss_sum = torch.zeros((), device=device)
     for i, b in enumerate(batches):
-        tok, pos, lab, mask = _to(b, device)
+        b = _on(b, device)
         with autocast(device, dtype):
-            losses = model(tok, pos, lab)  # [b, s/sp] fp32
-        micro_sum = (losses * mask).sum()
+            losses = model(b["tokens"], b["position_ids"], b["labels"])  # [b, s/sp] fp32
+        micro_sum = (losses * b["loss_mask"]).sum()
         if reducer is not None and i == len(batches) - 1:
             reducer.arm()  # the last backward reduces gradients over dp x sp as it runs
         (micro_sum * grad_scale).backward()
@@ -152,7 +148,8 @@ def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device
         model.eval()
         total, count = 0.0, 0.0
         for i in range(iters):
-            batches = [_on(b, device) for b in builder.micro_batches(first_sample + i * builder.gbs)]
+            start = first_sample + i * builder.gbs
+            batches = [_on(b, device) for b in builder.micro_batches(start)]
             with autocast(device, dtype):
                 total += (pipeline.evaluate(batches) if pipeline is not None
                           else sum(_eval_micro(model, b) for b in batches))
@@ -255,8 +252,7 @@ class Trainer:
                  "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",
                  m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
                  m.seq_length, m.vocab_size, m.padded_vocab_size, style,
-                 parameter_count(m) / 1e6, backend,
-                 self.dtype, self.device)
+                 parameter_count(m) / 1e6, backend, self.dtype, self.device)
         d = self.dims
         log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)%s", d.world, d.dp,
                  d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if

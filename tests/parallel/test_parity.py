@@ -40,22 +40,27 @@ def train(rank, world, args):
     return {n: p.detach().numpy().copy() for n, p in full.items()}
 
 
-def run_args(tmp_path, name, style, extra=()):
+def run_args(tmp_path, name, style_flags, extra=()):
     path = str(tmp_path / f"{name}.jsonl")
-    return path, TINY + STEPS + STYLES[style] + list(extra) + [
+    return path, TINY + STEPS + list(style_flags) + list(extra) + [
         "--metrics-jsonl", path, "--data-cache-path", str(tmp_path / "cache")]
+
+
+def one_process_runs(tmp, styles: dict, params_of) -> dict:
+    """Per model style: (the --metrics-jsonl records, final parameters) of one process;
+    `params_of(args)` trains and returns the parameters."""
+    out = {}
+    for style, flags in styles.items():
+        path, args = run_args(tmp, style, flags)
+        params = params_of(args)
+        out[style] = (read_jsonl(path), params)
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, per model style: losses by iteration, eval losses, final parameters."""
-    tmp = tmp_path_factory.mktemp("ref")
-    out = {}
-    for style in STYLES:
-        path, args = run_args(tmp, style, style)
-        params = train(0, 1, args)
-        out[style] = (read_jsonl(path), params)
-    return out
+    return one_process_runs(tmp_path_factory.mktemp("ref"), STYLES,
+                            lambda args: train(0, 1, args))
 
 
 def assert_same_run(records, ref_records, params=None, ref_params=None):
@@ -95,7 +100,7 @@ GRIDS = [  # (style, world, flags)
                               "tp2", "tp2-megatron-sp", "tp2-sp2", "dp2-tp2-sp2",
                               "gpt2-tp2-megatron-sp", "untied-tp2-sp2-megatron-sp"])
 def test_grid_equals_one_process(reference, tmp_path, style, world, flags):
-    path, args = run_args(tmp_path, "grid", style, flags)
+    path, args = run_args(tmp_path, "grid", STYLES[style], flags)
     params = run_ranks(train, world, args)[0]
     ref_records, ref_params = reference[style]
     assert_same_run(read_jsonl(path), ref_records, params, ref_params)
@@ -104,7 +109,7 @@ def test_grid_equals_one_process(reference, tmp_path, style, world, flags):
 @pytest.mark.parametrize("world,flags", [(2, SP2), (4, TP2 + SP2)], ids=["sp2", "tp2-sp2"])
 def test_torchrun_cli_equals_one_process(reference, tmp_path, world, flags):
     """The real command line: torchrun -> pretrain_gpt.py -> --metrics-jsonl."""
-    path, args = run_args(tmp_path, "cli", "llama-gqa", flags)
+    path, args = run_args(tmp_path, "cli", STYLES["llama-gqa"], flags)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(world), "--master-port", str(free_port()),

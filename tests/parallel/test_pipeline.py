@@ -17,7 +17,7 @@ import pytest
 
 from dist import free_port, run_ranks
 from helpers import REPO, read_jsonl
-from test_parity import GPT2, LOSS_RTOL, PARAM_ATOL, STEPS, TINY, assert_same_run
+from test_parity import GPT2, TINY, assert_same_run, one_process_runs, run_args
 
 from megaulysses.config import ConfigError, parse_args, pipeline_layout
 
@@ -51,21 +51,10 @@ def train(rank, world, args):
     return params, tied
 
 
-def run_args(tmp_path, name, style, extra=()):
-    path = str(tmp_path / f"{name}.jsonl")
-    return path, TINY + STEPS + STYLES[style] + list(extra) + [
-        "--metrics-jsonl", path, "--data-cache-path", str(tmp_path / "cache")]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    out = {}
-    for style in STYLES:
-        path, args = run_args(tmp, style, style)
-        params, _ = train(0, 1, args)
-        out[style] = (read_jsonl(path), params)
-    return out
+    return one_process_runs(tmp_path_factory.mktemp("ref"), STYLES,
+                            lambda args: train(0, 1, args)[0])
 
 
 def assert_tied_identical(results, pp: int):
@@ -120,7 +109,7 @@ IDS = ["pp2", "pp2-dp2", "pp2-tp2", "gpt2-pp2-sp2", "pp2-interleaved", "pp2-zero
 
 @pytest.mark.parametrize("style,world,flags", GRIDS, ids=IDS)
 def test_pipeline_grid_equals_one_process(reference, tmp_path, style, world, flags):
-    path, args = run_args(tmp_path, "grid", style, flags)
+    path, args = run_args(tmp_path, "grid", STYLES[style], flags)
     results = run_ranks(train, world, args)
     ref_records, ref_params = reference[style]
     records = read_jsonl(path)
@@ -140,7 +129,7 @@ def test_pipeline_grid_equals_one_process(reference, tmp_path, style, world, fla
 def test_torchrun_cli_equals_one_process(reference, tmp_path, world, flags):
     """The real command line: torchrun -> pretrain_gpt.py, sampling at the end (the
     stages and shards are gathered to rank 0 for it)."""
-    path, args = run_args(tmp_path, "cli", "llama", flags + ["--generate", "8"])
+    path, args = run_args(tmp_path, "cli", STYLES["llama"], flags + ["--generate", "8"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(world), "--master-port", str(free_port()),

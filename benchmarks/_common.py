@@ -1,9 +1,10 @@
-"""Run a function on P spawned gloo ranks (127.0.0.1, one torch thread each) for the
-benchmarks: `launch(fn, P, *args, timeout=...)` -> [fn(rank, P, *args) for each rank].
+"""What the benchmark scripts share.
 
-`fn` must be a module-level function of the script (spawn pickles it by name) and return
-plain Python values. A rank that fails raises here with its traceback; a hang raises
-after `timeout` seconds.
+`launch(fn, P, *args, timeout=...)` runs `fn(rank, P, *args)` on P spawned gloo ranks
+(127.0.0.1, one torch thread each) and returns the results in rank order. `fn` must be a
+module-level function of the script (spawn pickles it by name) and return plain Python
+values. A rank that fails raises here with its traceback; a hang raises after `timeout`
+seconds. `table(header, rows)` formats a Markdown table.
 """
 
 from __future__ import annotations
@@ -61,3 +62,11 @@ def launch(fn, P: int, *args, timeout: float = 3600.0) -> list:
             if proc.is_alive():
                 proc.kill()
     return [results[r] for r in range(P)]
+
+
+def table(header, rows) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [fmt(r) for r in cells[1:]])
