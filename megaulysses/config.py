@@ -27,6 +27,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "math")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -165,6 +167,8 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    zero_stage: int = 0  # ZeRO over dp x sp: 1 optimizer states, 2 + grads, 3 + params
+    grad_reduce_dtype: str = "fp32"  # dtype gradients are summed in over dp x sp
 
 
 @dataclass
@@ -308,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers on the first stage (uneven split; the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last stage (uneven split; the rest evenly)")
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0,
+                   help="ZeRO over the data x sequence-parallel ranks: 1 shards optimizer "
+                        "states, 2 also gradients, 3 also parameters (see README)")
+    g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
+                   help="dtype in which gradients are summed over the data x sequence-"
+                        "parallel ranks")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)

@@ -12,7 +12,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
-        "--eval-interval", "3", "--eval-iters", "1", "--generate", "0", "--seed", "11"]
+        "--eval-interval", "3", "--eval-iters", "1", "--generate", "0", "--seed", "11",
+        "--peak-tflops", "1"]  # MFU against a given peak: no matmul timing at start-up
 
 
 def run_inprocess(args, tmp_path, name="run") -> list[dict]:

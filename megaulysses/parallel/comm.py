@@ -20,9 +20,13 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -196,6 +200,51 @@ class Comm:
         return out
 
 
+    # -- ZeRO: collectives on flat buffers, and FSDP2's own collectives counted ----------
+
+    def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
+                            async_op: bool = False):
+        """`out` = this rank's 1/P of the sum over ranks of the flat `inp` (P pieces)."""
+        p = self.size(dim)
+        self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p)
+        return _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group(dim),
+                               async_op=async_op)
+
+    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
+                        async_op: bool = False):
+        """`out` = every rank's flat `inp`, in rank order."""
+        p = self.size(dim)
+        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p)
+        return _ALL_GATHER(out, inp, group=self.group(dim), async_op=async_op)
+
+    def fsdp_collectives(self):
+        """(all-gather, reduce-scatter) for FSDP2's `set_custom_all_gather` /
+        `set_custom_reduce_scatter`: the same c10d calls FSDP2 makes by default, counted
+        here. The reduce-scatter always sums (the caller turns off FSDP's averaging)."""
+        return _FsdpAllGather(self.stats), _FsdpReduceScatter(self.stats)
+
+
+class _FsdpAllGather:
+    def __init__(self, stats: CommStats):
+        self.stats = stats
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        p = group.size()
+        self.stats.add("all_gather", _nbytes(output_tensor) * (p - 1) / p)
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _FsdpReduceScatter(_FsdpAllGather):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        p = group.size()
+        self.stats.add("reduce_scatter", _nbytes(input_tensor) * (p - 1) / p)
+        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
+                               async_op=async_op)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm, dim: str, gather_dim: int):
@@ -261,23 +310,81 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class RowShard:
+    """Rank `r`'s rows of a tensor cut along dim 0 among P ranks the way torch.chunk (and
+    FSDP2, and DTensor's Shard(0)) cuts it: `chunk` = ceil(rows / P) rows each, the last
+    ranks fewer or none. Collectives move `chunk` rows for every rank (zeros pad the end)."""
+
+    shape: tuple
+    ranks: int
+    lo: int
+    hi: int
+    chunk: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor, ranks: int, rank: int) -> "RowShard":
+        rows = t.shape[0]
+        chunk = -(-rows // ranks)
+        lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        return cls(tuple(t.shape), ranks, lo, hi, chunk)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's rows."""
+        return (self.hi - self.lo) * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements every rank sends or receives for this tensor."""
+        return self.chunk * self.row_numel
+
+    def by_rank(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor as `[P, padded_numel]`: row r holds rank r's rows, zero-padded."""
+        flat = t.reshape(-1)
+        pad = self.ranks * self.padded_numel - flat.numel()
+        return F.pad(flat, (0, pad)).view(self.ranks, self.padded_numel)
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the whole tensor `t` (a view)."""
+        return t[self.lo:self.hi]
+
+    def unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows from its padded piece `flat` (a view)."""
+        return flat[:self.numel].view((self.hi - self.lo,) + self.shape[1:])
+
+
 class GradReducer:
     """Sums gradients over a mesh dim while backward still runs (bucketed, async).
 
     Each parameter's post-accumulate hook counts it ready; when every parameter of a bucket
-    is ready, the bucket is flattened and an async all-reduce starts. `finish()` launches
-    what is left (parameters that got no gradient count as zeros), waits, and copies the
-    sums back. Only the last micro-batch of a step reduces (`arm()` before its backward):
-    earlier micro-batches just accumulate locally.
+    is ready, the bucket is flattened and an async collective starts. `finish()` launches
+    what is left (parameters that got no gradient count as zeros) and waits. Only the last
+    micro-batch of a step reduces (`arm()` before its backward): earlier micro-batches just
+    accumulate locally.
+
+    `shards=None`: all-reduce; every rank's gradients become the sums (ZeRO stage 0).
+    `shards={param: RowShard}`: reduce-scatter; rank r receives the sums of its rows of
+    every parameter in `shard_grads` (ZeRO stage 1); `.grad` is freed once packed.
+    `reduce_dtype`: the dtype on the wire (the sums come back in the gradients' dtype).
+    `align(p)`: puts `p.grad` in its parameter's layout (tensor parallel) before packing.
     """
 
-    def __init__(self, params: list, comm: Comm, dim: str, bucket_mb: float = 25.0):
+    def __init__(self, params: list, comm: Comm, dim: str, bucket_mb: float = 25.0,
+                 shards: dict | None = None, reduce_dtype: torch.dtype | None = None,
+                 align=None):
         self.comm, self.dim = comm, dim
+        self.shards, self.reduce_dtype, self.align = shards, reduce_dtype, align
         self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_mb)
         self.where = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.armed = False
         self.ready = [0] * len(self.buckets)
         self.launched: dict = {}  # bucket index -> (flat tensor, async work)
+        self.shard_grads: dict = {}  # param -> its reduced rows (shards mode), after finish()
         for bucket in self.buckets:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -288,14 +395,27 @@ class GradReducer:
 
     def _on_grad(self, p):
         if self.armed:
+            if self.align is not None:
+                self.align(p)
             i = self.where[id(p)]
             self.ready[i] += 1
             if self.ready[i] == len(self.buckets[i]):
                 self._launch(i)
 
     def _launch(self, i: int):
-        flat = torch.cat([_local(q.grad).reshape(-1) for q in self.buckets[i]])
-        self.launched[i] = (flat, self.comm.all_reduce_sum(flat, self.dim, async_op=True))
+        grads = [_local(q.grad) for q in self.buckets[i]]
+        dtype = self.reduce_dtype or grads[0].dtype
+        if self.shards is None:
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
+            self.launched[i] = (flat, self.comm.all_reduce_sum(flat, self.dim, async_op=True))
+            return
+        send = torch.cat([self.shards[q].by_rank(g) for q, g in zip(self.buckets[i], grads)],
+                         dim=1).to(dtype)  # [P, sum of padded pieces]: row r for rank r
+        for q in self.buckets[i]:
+            q.grad = None  # copied into `send`; only the reduced rows are needed from here
+        out = send.new_empty(send.shape[1])
+        self.launched[i] = (out, self.comm.reduce_scatter_flat(out, send.view(-1), self.dim,
+                                                               async_op=True))
 
     def finish(self):
         for i, bucket in enumerate(self.buckets):
@@ -303,17 +423,27 @@ class GradReducer:
                 for q in bucket:
                     if q.grad is None:
                         q.grad = torch.zeros_like(q)
+                    elif self.align is not None:
+                        self.align(q)
                 self._launch(i)
         for i, (flat, work) in self.launched.items():
             if work is not None:
                 work.wait()
-            offset = 0
-            for q in self.buckets[i]:
+            self._unpack(self.buckets[i], flat)
+        self.launched.clear()
+        self.armed = False
+
+    def _unpack(self, bucket: list, flat: torch.Tensor):
+        offset = 0
+        for q in bucket:
+            if self.shards is None:
                 g = _local(q.grad)
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        self.launched.clear()
-        self.armed = False
+            else:
+                shard = self.shards[q]
+                self.shard_grads[q] = shard.unpack(flat[offset:]).to(q.dtype)
+                offset += shard.padded_numel
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
 
-from megaulysses.parallel.comm import Comm, _local
+from megaulysses.parallel.comm import Comm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -105,7 +105,10 @@ class _Stage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
-        if last_backward and full_backward and self.before_last_backward is not None:
+        # torch's schedules call this in evaluation too (it returns at once there): the
+        # hook must not fire then, or the next step would reduce its first micro-batch only.
+        if (last_backward and full_backward and self.has_backward
+                and self.before_last_backward is not None):
             self.before_last_backward()
         return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                           last_backward=last_backward)
@@ -119,11 +122,11 @@ class Pipeline:
     """
 
     def __init__(self, model, comm: Comm, layout: list[list[int]], schedule: str,
-                 n_micro: int, micro_shape: tuple, device: torch.device):
+                 n_micro: int, micro_shape: tuple, device: torch.device, wrap_stage=None):
         pp, rank = comm.size("pp"), comm.rank("pp")
         self.model, self.comm, self.n_micro, self.schedule_name = model, comm, n_micro, schedule
         self.stage_ids = local_stages(len(layout), pp, rank)
-        self.stages = [self._stage(model, layout, s, micro_shape, device)
+        self.stages = [self._stage(model, layout, s, micro_shape, device, wrap_stage)
                        for s in self.stage_ids]
         cls = SCHEDULES[schedule]
         self.schedule = cls(self.stages[0] if schedule in SINGLE_STAGE else self.stages,
@@ -140,7 +143,7 @@ class Pipeline:
         self._sums: list = []
         self._grad_scale = 1.0
 
-    def _stage(self, model, layout, s: int, micro_shape: tuple, device):
+    def _stage(self, model, layout, s: int, micro_shape: tuple, device, wrap_stage):
         b, s_tok, s_hid, h = micro_shape
         first, last = s == 0, s == len(layout) - 1
         # Shapes given up front ("static" stages): no shape-inference pass at the first step.
@@ -149,6 +152,8 @@ class Pipeline:
                   else torch.empty(b, s_hid, h, **hidden))
         outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
         module = StageModule(model, layout[s], first, last)
+        if wrap_stage is not None:  # ZeRO-2/3: the stage is an FSDP root (torch's contract)
+            wrap_stage(module)
         return _Stage(module, s, len(layout), device, input_args=inputs, output_args=outputs,
                       group=self.comm.group("pp"), comm=self.comm)
 
@@ -190,14 +195,13 @@ class Pipeline:
         if self.schedule_name in SINGLE_STAGE:
             self.stages[0].before_last_backward = arm
 
-    def sync_tied_grads(self):
-        """Sum the tied embedding's gradients of the first and last stage (see module doc)."""
+    def sync_tied_grads(self, grad_of):
+        """Sum the tied embedding's gradients of the first and last stage (see module doc).
+        `grad_of(param)`: the tensor holding this rank's reduced gradient (whole, or its
+        ZeRO rows: both stages cut the embedding alike)."""
         if self.tied_peer is None:
             return
-        w = self.model.embed.word.weight
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        self.comm.pair_sum(_local(w.grad), "pp", self.tied_peer)
+        self.comm.pair_sum(grad_of(self.model.embed.word.weight), "pp", self.tied_peer)
 
 
 def full_state_dict(model, comm: Comm):

@@ -26,8 +26,10 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_sh
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
         os.makedirs(tmp)
     barrier()  # the directory exists before anybody writes into it
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     with warnings.catch_warnings():  # single process: DCP warns that it runs without a group
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
@@ -109,6 +111,19 @@ def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_sh
         os.replace(os.path.join(save_dir, MARKER + ".tmp"), os.path.join(save_dir, MARKER))
     barrier()  # nobody runs ahead (and, e.g., exits) before the commit
     log.info("saved checkpoint %s", final)
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state, keyed by parameter name, as DTensors where sharded. The
+    ZeRO-1 optimizer gives its own (same keys and global shapes as torch's)."""
+    model_sd = get_model_state_dict(model, options=OPTIONS)
+    if hasattr(optimizer, "dcp_state_dict"):
+        return model_sd, optimizer.dcp_state_dict(_names(model))
+    return model_sd, get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+
+
+def _names(model) -> dict:
+    return {p: name for name, p in model.named_parameters()}
 
 
 def find_checkpoint(load: str) -> str | None:
@@ -153,7 +168,7 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
     _check_shape(path, meta.get("model", {}), model_shape)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
         with warnings.catch_warnings():
@@ -164,8 +179,11 @@ def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 
     # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
-                   optim_state_dict=state_dict["optim"], options=OPTIONS)
+    set_model_state_dict(model, state_dict["model"], options=OPTIONS)
+    if hasattr(optimizer, "load_dcp_state_dict"):
+        optimizer.load_dcp_state_dict(state_dict["optim"], _names(model))
+    else:
+        set_optimizer_state_dict(model, optimizer, state_dict["optim"], options=OPTIONS)
     if rng is not None:
         _set_rng_state(rng)
     else:  # saved on fewer ranks: this rank has no stream to continue

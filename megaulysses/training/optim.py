@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -27,14 +28,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    return adamw(param_groups(model, t.weight_decay), t)
+
+
+def adamw(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
     # fused=True runs one kernel per step on CPU and CUDA; fall back where unsupported
     # (e.g. DTensor parameters on some backends) rather than fail.
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    groups = param_groups(model, t.weight_decay)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(param_groups(model, t.weight_decay), **kwargs)
+        return torch.optim.AdamW([dict(g) for g in groups], **kwargs)
 
 
 class LRSchedule:
@@ -108,53 +112,63 @@ class LossScaler:
         self.hysteresis_left = state["hysteresis_left"]
 
 
+@dataclass
+class GradPart:
+    """One tensor of this rank's (already reduced) gradients, as the optimizer will use it.
+
+    `summed_over`: the mesh dims whose ranks hold the other pieces of the same gradient
+    (their squared norms add up): "tp" for a tensor-parallel shard, "dp_sp" for a ZeRO
+    shard; () for a whole gradient every rank of those dims holds alike. `counted`: False
+    for a copy whose norm is counted elsewhere (the tied embedding on the last pipeline
+    stage): clipped, not counted.
+    """
+
+    tensor: torch.Tensor
+    summed_over: tuple = ()
+    counted: bool = True
+
+
+def grad_parts(params) -> list[GradPart]:
+    """The gradients of one process's parameters."""
+    return [GradPart(p.grad) for p in params if p.grad is not None]
+
+
 @torch.no_grad()
-def unscale_and_clip(params, inv_scale: float, max_norm: float, exclude=(),
-                     sum_squares=None) -> float:
+def unscale_and_clip(parts: list[GradPart], inv_scale: float, max_norm: float,
+                     comm=None) -> float:
     """Unscale grads (fp16), return the global grad norm; clip when max_norm > 0.
 
-    Gradients must already be reduced over data/sequence ranks and be in their
-    parameter's layout. `exclude`: parameters clipped but not counted (a copy counted
-    elsewhere: the tied embedding on the last pipeline stage). `sum_squares(sharded,
-    whole)`: on a grid, turns this rank's squared norms of its tensor-parallel shards and
-    of its whole (replicated) gradients into the global squared norm (summing the first
-    over tp, and both over the pipeline stages). A non-finite norm is returned as is
-    (the caller skips the step, grads untouched).
+    `comm` (on a grid): each part's squared norm is summed over its `summed_over` dims,
+    then over the pipeline stages. A non-finite norm is returned as is (the caller skips
+    the step, grads untouched).
     """
-    skip = {id(p) for p in exclude}
-    grads = [p.grad for p in params if p.grad is not None]
-    if inv_scale != 1.0:
-        for kind in _by_kind(grads):
-            torch._foreach_mul_(kind, inv_scale)
-    norm = _global_norm([p.grad for p in params if p.grad is not None and id(p) not in skip],
-                        sum_squares)
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        for kind in _by_kind(grads):
-            torch._foreach_mul_(kind, max_norm / (norm + 1e-6))
+    tensors = [p.tensor for p in parts]
+    if inv_scale != 1.0 and tensors:
+        torch._foreach_mul_(tensors, inv_scale)
+    norm = _global_norm([p for p in parts if p.counted], comm)
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm and tensors:
+        torch._foreach_mul_(tensors, max_norm / (norm + 1e-6))
     return norm
 
 
-def _global_norm(grads: list, sum_squares) -> float:
-    if not grads:
-        return 0.0
-    if sum_squares is None:  # one process: every gradient is whole and here
-        return float(torch.nn.utils.get_total_norm(grads))
-    # Local tensors, reduced by the caller: a DTensor norm of a list mixing sharded and
-    # replicated gradients is not reliably the global one.
-    sharded = [g.to_local() for g in grads if _is_sharded(g)]
-    whole = [g.to_local() if isinstance(g, DTensor) else g for g in grads if not _is_sharded(g)]
-    zero = torch.zeros((), device=grads[0].device)
-    sharded_sq, whole_sq = (torch.nn.utils.get_total_norm(k).float() ** 2 if k else zero.clone()
-                            for k in (sharded, whole))
-    return float(sum_squares(sharded_sq, whole_sq).sqrt())
+def _global_norm(parts: list[GradPart], comm) -> float:
+    if comm is None or not comm.meshes:  # one process: every gradient is whole and here
+        return float(torch.nn.utils.get_total_norm([p.tensor for p in parts])) if parts else 0.0
+    device = comm.meshes["world"].device_type
+    sq = {dims: _sum_sq([p.tensor for p in parts if p.summed_over == dims], device)
+          for dims in ((), ("tp",), ("dp_sp",), ("dp_sp", "tp"))}
+    # Every rank of a tp or dp_sp group holds the same kinds of parts (same stage), so each
+    # group's ranks meet in the same collectives below.
+    tp_sums = torch.stack([sq[("dp_sp", "tp")], sq[("tp",)]])
+    comm.all_reduce_sum(tp_sums, "tp")
+    zero = tp_sums[0] + sq[("dp_sp",)]
+    comm.all_reduce_sum(zero, "dp_sp")
+    total = zero + tp_sums[1] + sq[()]
+    comm.all_reduce_sum(total, "pp")
+    return float(total.sqrt())
 
 
-def _is_sharded(g) -> bool:
-    return isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)
-
-
-def _by_kind(grads: list) -> list[list]:
-    """DTensor and plain gradients apart: a foreach kernel takes one kind per call."""
-    kinds = ([g for g in grads if isinstance(g, DTensor)],
-             [g for g in grads if not isinstance(g, DTensor)])
-    return [k for k in kinds if k]
+def _sum_sq(tensors: list, device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm(tensors).float().to(device) ** 2

@@ -26,16 +26,18 @@ from megaulysses.data.loader import BatchBuilder
 from megaulysses.model.attention import sdpa_attention, select_backend
 from megaulysses.model.generate import sample
 from megaulysses.model.gpt import build_model, count_parameters, parameter_count
-from megaulysses.parallel.comm import Comm, GradReducer
+from megaulysses.parallel import zero as zero_mod
+from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import ParallelDims, init_distributed
 from megaulysses.parallel.pipeline import Pipeline, full_state_dict, keep_stages, local_stages
 from megaulysses.parallel.tensor import (apply_tensor_parallel, align_grads,
                                          step_context as tp_step_context)
 from megaulysses.parallel.ulysses import apply_ulysses
+from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
-from megaulysses.training.optim import (LossScaler, LRSchedule, build_optimizer, set_lr,
+from megaulysses.training.optim import (LossScaler, LRSchedule, adamw, param_groups, set_lr,
                                         unscale_and_clip)
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,8 @@ def global_sum(comm: Comm, value: float, device, dims=("dp_sp",)) -> float:
     return float(t)
 
 
-def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, device,
-               dtype, comm: Comm, reducer: Optional[GradReducer] = None,
-               pipeline: Optional[Pipeline] = None) -> StepResult:
+def train_step(model, batches, zero: Zero, scaler: LossScaler, clip_grad: float, device,
+               dtype, comm: Comm, pipeline: Optional[Pipeline] = None) -> StepResult:
     with tp_step_context(comm):
         # The global loss-token count is known before any forward: every backward divides
         # by it, so the summed gradients are exactly those of the global mean loss.
@@ -83,17 +84,16 @@ def train_step(model, batches, optimizer, scaler: LossScaler, clip_grad: float, 
         denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
         if pipeline is None:
             loss_sum = _forward_backward(model, batches, scaler.scale / denom, device, dtype,
-                                         reducer)
+                                         zero)
         else:
             with autocast(device, dtype):
                 loss_sum = pipeline.step([_on(b, device) for b in batches], scaler.scale / denom)
-        norm, skipped = _finish_grads_and_step(optimizer, scaler, clip_grad, comm, reducer,
-                                               pipeline)
+        norm, skipped = _finish_grads_and_step(zero, scaler, clip_grad, comm, pipeline)
     loss = global_sum(comm, loss_sum, device, ("dp_sp", "pp")) / denom
     return StepResult(loss, norm, skipped, int(tokens))
 
 
-def _forward_backward(model, batches, grad_scale: float, device, dtype, reducer) -> float:
+def _forward_backward(model, batches, grad_scale: float, device, dtype, zero: Zero) -> float:
     """Every micro-batch, one after the other; gradients of sum(losses) * grad_scale."""
     loss_sum = torch.zeros((), device=device)
     for i, b in enumerate(batches):
@@ -101,42 +101,25 @@ def _forward_backward(model, batches, grad_scale: float, device, dtype, reducer)
         with autocast(device, dtype):
             losses = model(b["tokens"], b["position_ids"], b["labels"])  # [b, s/sp] fp32
         micro_sum = (losses * b["loss_mask"]).sum()
-        if reducer is not None and i == len(batches) - 1:
-            reducer.arm()  # the last backward reduces gradients over dp x sp as it runs
+        zero.before_backward(last=i == len(batches) - 1)  # the last one reduces as it runs
         (micro_sum * grad_scale).backward()
         loss_sum += micro_sum.detach()
     return float(loss_sum)
 
 
-def _finish_grads_and_step(optimizer, scaler, clip_grad, comm, reducer, pipeline):
+def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline):
     """Reduce gradients over dp x sp (and the tied pair), clip by the global norm, step."""
-    if reducer is not None:
-        reducer.finish()  # reduces what the last backward did not (all, if never armed)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if comm.size("tp") > 1:
-        align_grads(params, comm.mesh("tp"))
+    zero.finish_grads()
     if pipeline is not None:
-        pipeline.sync_tied_grads()  # after align_grads: both copies' gradients are shards
+        pipeline.sync_tied_grads(zero.grad_of)  # after the reduction: both copies alike
     excluded = pipeline.norm_excluded if pipeline is not None else []
-    norm = unscale_and_clip(params, 1.0 / scaler.scale, clip_grad, exclude=excluded,
-                            sum_squares=_grid_sum_squares(comm) if comm.meshes else None)
+    norm = unscale_and_clip(zero.grad_parts(excluded), 1.0 / scaler.scale, clip_grad, comm)
     skipped = not math.isfinite(norm)
     if not skipped:
-        optimizer.step()
+        zero.step()
     scaler.update(overflow=skipped)
-    optimizer.zero_grad(set_to_none=True)
+    zero.zero_grad()
     return norm, skipped
-
-
-def _grid_sum_squares(comm: Comm):
-    """Global squared grad norm from this rank's parts: tensor-parallel shards summed over
-    tp, then every stage's share summed over pp (dp x sp ranks hold equal gradients)."""
-    def total(sharded_sq: torch.Tensor, whole_sq: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce_sum(sharded_sq, "tp")
-        t = sharded_sq + whole_sq
-        comm.all_reduce_sum(t, "pp")
-        return t
-    return total
 
 
 @torch.no_grad()
@@ -197,14 +180,12 @@ class Trainer:
             stages = local_stages(len(self.layout), self.dims.pp, self.comm.rank("pp"))
             keep = lambda m: keep_stages(m, self.layout, stages)  # noqa: E731
         self.model = build_model(cfg.model, core, t.seed, self.device, keep=keep)
+        self.zero_stage = par.zero_stage if self.comm.size("dp_sp") > 1 else 0
         self._parallelize()
         self.model.train()
         self.pipeline = self._build_pipeline() if self.layout is not None else None
-        self.reducer = (GradReducer(list(self.model.parameters()), self.comm, "dp_sp")
-                        if self.comm.size("dp_sp") > 1 else None)
-        if self.pipeline is not None and self.reducer is not None:
-            self.pipeline.overlap_grad_reduction(self.reducer.arm)
-        self.optimizer = build_optimizer(self.model, t)
+        self.zero = self._build_zero()
+        self.optimizer = self.zero.optimizer
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
         self.state = ckpt.TrainState()
@@ -213,18 +194,51 @@ class Trainer:
             self._load(t.load)
 
     def _parallelize(self):
-        """The transforms, in order: tensor parallel, then Ulysses around the cores."""
+        """The transforms, in order: tensor parallel, Ulysses around the attention cores,
+        then ZeRO-2/3 (FSDP2 over dp x sp, on top of the tensor-parallel shards; under pp
+        the root units are the pipeline stages, wrapped when the pipeline is built)."""
         if self.dims.tp > 1:
             apply_tensor_parallel(self.model, self.comm.mesh("tp"), self.sequence_parallel)
         apply_ulysses(self.model, self.comm)
+        if self.zero_stage >= 2:
+            zero_mod.shard_blocks(self.model, self.comm, self.zero_stage,
+                                  self._mixed_precision(), pipeline=self.layout is not None)
+            if self.layout is None:
+                zero_mod.shard_root(self.model, self.comm, self._mixed_precision())
+
+    def _mixed_precision(self):
+        return zero_mod.mixed_precision(self.dtype, self._reduce_dtype())
+
+    def _reduce_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.parallel.grad_reduce_dtype == "bf16" else torch.float32
 
     def _build_pipeline(self) -> Pipeline:
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         s_tok = m.seq_length // d.sp  # this rank's tokens of a sample
         s_hid = s_tok // d.tp if self.sequence_parallel else s_tok  # between blocks
+        wrap = None
+        if self.zero_stage >= 2:
+            wrap = lambda module: zero_mod.shard_root(module, self.comm,  # noqa: E731
+                                                      self._mixed_precision())
         return Pipeline(self.model, self.comm, self.layout, self.cfg.parallel.pipeline_schedule,
                         self.train_data.num_micro, (t.micro_batch_size, s_tok, s_hid,
-                                                    m.hidden_size), self.device)
+                                                    m.hidden_size), self.device, wrap)
+
+    def _build_zero(self) -> Zero:
+        """Gradient reduction over dp x sp and the optimizer, at the ZeRO stage asked for."""
+        t = self.cfg.train
+        roots = ([self.model] if self.pipeline is None
+                 else [stage.submod for stage in self.pipeline.stages])
+        align = None
+        if self.dims.tp > 1:
+            tp_mesh = self.comm.mesh("tp")
+            align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
+        zero = Zero(self.model, self.comm, self.zero_stage, param_groups(self.model,
+                    t.weight_decay), lambda groups: adamw(groups, t), self._reduce_dtype(),
+                    roots if self.zero_stage >= 2 else [], align)
+        if self.pipeline is not None:
+            self.pipeline.overlap_grad_reduction(zero.before_last_backward)
+        return zero
 
     def _build_data(self):
         """Rank 0 builds (and caches) the sample indices first; the others then load them."""
@@ -257,12 +271,24 @@ class Trainer:
         log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)%s", d.world, d.dp,
                  d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if
                  self.sequence_parallel else "")
+        self._log_zero()
         if self.pipeline is not None:
             log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
                      "rank), layers per stage %s; the first stage holds %.2fM parameters",
                      self.cfg.parallel.pipeline_schedule, self.pipeline.n_micro,
                      len(self.layout), len(self.layout) // d.pp, [len(s) for s in self.layout],
                      count_parameters(self.model) / 1e6)
+
+    def _log_zero(self):
+        asked, n = self.cfg.parallel.zero_stage, self.comm.size("dp_sp")
+        if asked and not self.zero_stage:
+            log.info("zero: --zero-stage %d has nothing to shard over (dp x sp = 1): stage 0",
+                     asked)
+        held = self.zero.held_bytes()
+        log.info("zero: stage %d over dp x sp = %d ranks (%s); model states held now: "
+                 "parameters %s; gradients and optimizer states appear at the first step "
+                 "and are logged every --log-interval", self.zero_stage, n,
+                 ZERO_SHARDS[self.zero_stage], _mib(held["params"]))
 
     def _load(self, load_dir: str):
         path = ckpt.find_checkpoint(load_dir)
@@ -295,8 +321,8 @@ class Trainer:
             set_lr(self.optimizer, self.schedule(self.state.iteration))
             t0 = time.perf_counter()
             batches = self.train_data.micro_batches(self.state.consumed_train_samples)
-            r = train_step(self.model, batches, self.optimizer, self.scaler, t.clip_grad,
-                           self.device, self.dtype, self.comm, self.reducer, self.pipeline)
+            r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad,
+                           self.device, self.dtype, self.comm, self.pipeline)
             window.add(r, time.perf_counter() - t0, t.global_batch_size * cfg.model.seq_length)
             self.state.iteration += 1
             self.state.consumed_train_samples += t.global_batch_size
@@ -325,6 +351,7 @@ class Trainer:
     def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
                         self.dtype, self.comm, self.pipeline)
+        self.zero.reshard()  # ZeRO-2/3: parameters evaluation gathered are freed again
         log.info("%s loss at iteration %d: %.4f | ppl %.2f", split, self.state.iteration, loss,
                  math.exp(min(loss, 50.0)))
         key = "eval_loss" if split == "valid" else "test_loss"
@@ -346,6 +373,8 @@ class Trainer:
                "tflops_per_device": tflops, "mfu": tflops / peak,
                "skipped_iterations": self.state.skipped_iterations,
                **memory_stats(self.device)}
+        for kind, nbytes in self.zero.pop_peak().items():  # model states held by this rank
+            rec[f"mem_{kind}_bytes"] = nbytes
         for kind, nbytes in self.comm.pop_busiest_bytes().items():  # per iteration
             rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
         if isinstance(self.scaler, LossScaler):
@@ -354,9 +383,11 @@ class Trainer:
                           for k, v in rec.items() if k.startswith("comm_bytes_"))
         log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
                  "%.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | skipped %d | "
-                 "mem peak %.2f GiB%s | ETA %s", it, t.train_iters, rec["consumed_samples"],
-                 rec["loss"], rec["lr"], rec["grad_norm"], 1e3 * step_time, tokens_per_sec,
-                 tflops, 100 * rec["mfu"], rec["skipped_iterations"], rec["mem_peak_gib"],
+                 "mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s | ETA %s", it,
+                 t.train_iters, rec["consumed_samples"], rec["loss"], rec["lr"],
+                 rec["grad_norm"], 1e3 * step_time, tokens_per_sec, tflops, 100 * rec["mfu"],
+                 rec["skipped_iterations"], rec["mem_peak_gib"],
+                 *(rec.get(f"mem_{k}_bytes", 0) / 2**20 for k in ("params", "grads", "optim")),
                  f" | {comm}" if comm else "", format_duration(eta))
         return rec
 
@@ -382,6 +413,13 @@ class Trainer:
 
 
 COMM_KEYS = {"all_to_all": "a2a"}
+ZERO_SHARDS = {0: "nothing sharded", 1: "optimizer states sharded",
+               2: "optimizer states and gradients sharded",
+               3: "optimizer states, gradients and parameters sharded"}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 class _NoScaler:

@@ -10,7 +10,8 @@ from megaulysses.config import ModelConfig, TrainConfig
 from megaulysses.model.attention import math_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.training.metrics import flops_per_iteration
-from megaulysses.training.optim import LossScaler, LRSchedule, param_groups, unscale_and_clip
+from megaulysses.training.optim import (LossScaler, LRSchedule, grad_parts, param_groups,
+                                        unscale_and_clip)
 
 
 def schedule(**kw):
@@ -54,7 +55,7 @@ def test_clipping_matches_torch():
     for p, q in zip(a, b):
         p.grad = torch.randn(5, 3, generator=g) * 4
         q.grad = p.grad.clone()
-    ours = unscale_and_clip(a, 1.0, max_norm=1.0)
+    ours = unscale_and_clip(grad_parts(a), 1.0, max_norm=1.0)
     ref = torch.nn.utils.clip_grad_norm_(b, max_norm=1.0)
     assert ours == pytest.approx(ref.item(), rel=1e-6)
     for p, q in zip(a, b):
@@ -64,9 +65,9 @@ def test_clipping_matches_torch():
 def test_unscale_and_non_finite_norm():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.full((4,), 8.0)
-    assert unscale_and_clip([p], 0.5, 0.0) == pytest.approx(8.0)  # ||[4,4,4,4]||
+    assert unscale_and_clip(grad_parts([p]), 0.5, 0.0) == pytest.approx(8.0)  # ||[4,4,4,4]||
     p.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0])
-    assert not math.isfinite(unscale_and_clip([p], 1.0, 1.0))
+    assert not math.isfinite(unscale_and_clip(grad_parts([p]), 1.0, 1.0))
 
 
 def test_dynamic_loss_scaler():

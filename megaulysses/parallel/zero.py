@@ -1,0 +1,380 @@
+"""ZeRO across the data x sequence-parallel ranks ("dp_sp"): who holds which model states.
+
+Sequence-parallel ranks hold the same parameters and see different tokens, exactly like
+data-parallel ranks, so ZeRO shards over all N = dp * sp of them: model-state memory per
+rank falls by N, not by dp alone (the Ulysses paper's second idea).
+
+    stage 0  every rank holds everything; gradients all-reduced while backward runs
+    stage 1  + optimizer states sharded: gradients reduce-scattered onto each rank's rows
+             while the last backward runs, AdamW updates those rows (views into the full
+             parameters), the updated rows are all-gathered back (`ShardedAdamW`)
+    stage 2  + gradients sharded, with FSDP2 `fully_shard` per block and one root unit
+             (embedding, head): parameters gathered at a step's first forward and kept
+             until its last backward; each micro-batch's gradients reduce-scattered as
+             backward produces them
+    stage 3  + parameters sharded: each block gathered before its forward and again
+             before its backward and freed after each; the next block's all-gather is
+             issued while the current one computes (prefetch)
+
+Every stage cuts a parameter's local tensor (its tensor-parallel shard) along dim 0 into
+N pieces the way torch.chunk does (`RowShard`), FSDP2's own layout, so optimizer states
+are the same DTensors in the checkpoints of stages 1, 2 and 3.
+
+Under pipeline parallelism (FSDP's rule: no resharding inside a step, since a pipeline
+stage runs many forwards and backwards interleaved): stages 2 and 3 gather a pipeline
+stage's parameters at its first forward and keep them, and its gradients unsharded, until
+its last backward; the gradients are then reduce-scattered once. Within a step they hold
+what stage 1 holds; between steps parameters (stage 2, 3), gradients and optimizer states
+are sharded. Stages 0 and 1 behave under pp exactly as without it.
+
+The gradient contract is unchanged: every rank's loss is already divided by the global
+token count, so gradients are summed over dp x sp, never averaged (FSDP's averaging is off).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from megaulysses.parallel.comm import Comm, GradReducer, RowShard, _local
+
+log = logging.getLogger(__name__)
+
+DIM = "dp_sp"
+
+# FSDP2 warns when a wrapped module returns a view (the GPT's per-token losses are one):
+# an in-place op on it would skip FSDP's pre-backward hook. Nothing modifies them in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+# -- stages 2 and 3: FSDP2 ---------------------------------------------------------------------
+
+def shard_blocks(model, comm: Comm, stage: int, mp: MixedPrecisionPolicy, pipeline: bool):
+    """fully_shard every transformer block this rank holds over dp x sp. Stage 3 frees a
+    block's gathered parameters after its forward (and gathers the next one early); stage
+    2, and any stage under pp, keeps them until backward."""
+    blocks = [b for b in model.layers.values()]
+    reshard = stage == 3 and not pipeline
+    for block in blocks:
+        fully_shard(block, mesh=comm.mesh(DIM), reshard_after_forward=reshard, mp_policy=mp)
+        _configure(block, comm)
+    if reshard:
+        for prev, nxt in zip(blocks, blocks[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+
+
+def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy) -> nn.Module:
+    """fully_shard the parameters of `module` no block holds (embedding, final norm, output
+    layer): the whole GPT, or a pipeline stage. Kept gathered from forward to backward,
+    which starts with them."""
+    fully_shard(module, mesh=comm.mesh(DIM), reshard_after_forward=False, mp_policy=mp)
+    _configure(module, comm)
+    return module
+
+
+def _configure(module: FSDPModule, comm: Comm):
+    module.set_gradient_divide_factor(1.0)  # sum over dp x sp, never average
+    module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    all_gather, reduce_scatter = comm.fsdp_collectives()
+    module.set_custom_all_gather(all_gather)
+    module.set_custom_reduce_scatter(reduce_scatter)
+
+
+def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecisionPolicy:
+    """Gather parameters in the compute dtype (bf16/fp16: half the all-gather bytes), reduce
+    gradients in `reduce`; the sharded parameters (the master copy) stay fp32. Block inputs
+    are not cast: the residual stream stays fp32 and autocast picks each op's dtype, as on
+    stages 0 and 1."""
+    return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                reduce_dtype=reduce, cast_forward_inputs=False)
+
+
+# -- stage 1: the sharded optimizer ----------------------------------------------------------
+
+class ShardedAdamW:
+    """ZeRO-1: AdamW over this rank's rows of every parameter.
+
+    The rows are views into the (replicated) parameters, so the update writes in place;
+    `step()` then all-gathers every rank's updated rows into every rank's full copy. The
+    gradients it steps on are `reducer.shard_grads` (reduce-scattered rows). Looks like a
+    torch optimizer to the trainer: `param_groups` (lr), `step`, `zero_grad`.
+    """
+
+    def __init__(self, groups: list[dict], comm: Comm, reducer: GradReducer, make_adamw):
+        self.comm, self.reducer = comm, reducer
+        self.shards: dict = reducer.shards
+        self.views = {p: self.shards[p].mine(_local(p).detach()) for g in groups
+                      for p in g["params"]}
+        self.inner = make_adamw([{**g, "params": [self.views[p] for p in g["params"]]}
+                                 for g in groups])
+        self.groups = [list(g["params"]) for g in groups]  # parameters of each inner group
+        self.params = [p for g in self.groups for p in g]
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def grad_of(self, p) -> torch.Tensor:
+        return self.reducer.shard_grads[p]
+
+    def step(self):
+        for p, view in self.views.items():
+            view.grad = self.reducer.shard_grads[p]
+        self.inner.step()
+        self._gather_rows()
+
+    def _gather_rows(self):
+        """Every rank's updated rows into every rank's parameters, bucket by bucket."""
+        launched = []
+        for bucket in self.reducer.buckets:
+            mine = torch.cat([_padded_rows(self.shards[p], self.views[p]) for p in bucket])
+            out = mine.new_empty(self.comm.size(DIM), mine.numel())  # [P, pieces]
+            launched.append((bucket, out, self.comm.all_gather_flat(out.view(-1), mine, DIM,
+                                                                     async_op=True)))
+        for bucket, out, work in launched:
+            work.wait()
+            offset = 0
+            for p in bucket:
+                shard, local = self.shards[p], _local(p).detach()
+                piece = out[:, offset:offset + shard.padded_numel]  # [P, padded rows]
+                local.view(-1).copy_(piece.reshape(-1)[:local.numel()])
+                offset += shard.padded_numel
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad = None
+        self.reducer.shard_grads.clear()
+
+    # -- checkpoints: the layout of torch's flattened optimizer state dict -----------------
+
+    def dcp_state_dict(self, fqns: dict) -> dict:
+        """{"state.<name>.<key>": DTensor over dp x sp (x tp) with the parameter's global
+        shape, "param_groups.<name>.<key>": value}: what `get_optimizer_state_dict` gives
+        for stage 0 (flattened), so DCP loads either into either."""
+        self._materialize_state()
+        out = {}
+        for group, params in zip(self.inner.param_groups, self.groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for p in params:
+                name = fqns[p]
+                for key, value in self.inner.state[self.views[p]].items():
+                    out[f"state.{name}.{key}"] = (self._as_dtensor(p, value)
+                                                  if value.dim() > 0 else value)
+                for key, value in hyper.items():
+                    out[f"param_groups.{name}.{key}"] = value
+        return out
+
+    def load_dcp_state_dict(self, state: dict, fqns: dict):
+        """The inverse of `dcp_state_dict` (after DCP filled it in)."""
+        for p in self.params:
+            mine = self.inner.state[self.views[p]]
+            for key in mine:
+                value = state[f"state.{fqns[p]}.{key}"]
+                mine[key].copy_(_local(value))
+        for group, params in zip(self.inner.param_groups, self.groups):
+            for key in group:
+                saved = f"param_groups.{fqns[params[0]]}.{key}"
+                if key != "params" and saved in state:
+                    group[key] = state[saved]
+
+    def _materialize_state(self):
+        """AdamW creates its states at the first step; DCP needs them before that (a
+        load into a fresh run): one step of zero gradients at lr 0 creates them, then the
+        step counts are reset, so nothing a later step computes changes."""
+        if self.inner.state:
+            return
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        for view in self.views.values():
+            view.grad = torch.zeros_like(view)
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
+        for view in self.views.values():
+            view.grad = None
+            self.inner.state[view]["step"].zero_()
+
+    def _as_dtensor(self, p, local: torch.Tensor) -> DTensor:
+        mesh, placements = row_shard_spec(p, self.comm)
+        shape = tuple(p.shape)  # global: a DTensor parameter's shape is the whole one
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+
+def _padded_rows(shard: RowShard, rows: torch.Tensor) -> torch.Tensor:
+    flat = rows.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(shard.padded_numel - flat.numel())])
+
+
+def row_shard_spec(p, comm: Comm):
+    """(mesh, placements) of rows of `p`'s local tensor cut over dp x sp, as a DTensor
+    of `p`'s global shape: what FSDP2 builds for its sharded parameters. Under tensor
+    parallelism the rows of a tp shard of dim 0 interleave (`_StridedShard`)."""
+    dp_sp = comm.mesh(DIM)
+    if not isinstance(p, DTensor):
+        return dp_sp, (Shard(0),)
+    tp_placement = p.placements[0]
+    mesh = DeviceMesh._concatenate([dp_sp, p.device_mesh])
+    split = p.device_mesh.size() if tp_placement == Shard(0) else 1
+    first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    return mesh, (first, tp_placement)
+
+
+# -- the data x sequence-parallel side of a training step, at any stage ------------------------
+
+class Zero:
+    """Gradient reduction, optimizer and held model states of this rank, for any stage.
+
+    The trainer calls, per step: `before_backward(last)` before each micro-batch's
+    backward (or the pipeline calls `before_last_backward`), `finish_grads()` after the
+    last one, `grad_parts()` to clip, `step()`, `zero_grad()`. `grad_of(p)` is the tensor
+    holding this rank's reduced gradient of `p` (the whole gradient, or its rows).
+    """
+
+    def __init__(self, model, comm: Comm, stage: int, groups: list[dict], make_adamw,
+                 reduce_dtype: torch.dtype, fsdp_roots: list, align=None):
+        self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
+        self.params = [p for g in groups for p in g["params"]]
+        self.reducer = None
+        n = comm.size(DIM)
+        if stage <= 1 and n > 1:
+            shards = ({p: RowShard.of(_local(p), n, comm.rank(DIM)) for p in self.params}
+                      if stage == 1 else None)
+            self.reducer = GradReducer(list(model.parameters()), comm, DIM, shards=shards,
+                                       reduce_dtype=reduce_dtype, align=align)
+        self.optimizer = (ShardedAdamW(groups, comm, self.reducer, make_adamw) if stage == 1
+                          else make_adamw(groups))
+        self._fsdp = [m for root in fsdp_roots for m in root.modules()
+                      if isinstance(m, FSDPModule)]
+        self.peak: dict = {}  # most bytes held at the moments observed since pop_peak()
+        self.at_step: dict = {}  # bytes held right after the last optimizer step
+
+    # -- a step ---------------------------------------------------------------------------
+
+    def before_backward(self, last: bool):
+        """Before a micro-batch's backward (no pipeline): the last one reduces as it runs;
+        stage 2 keeps its gathered parameters until then."""
+        if self.stage == 2:
+            for root in self.fsdp_roots:
+                root.set_reshard_after_backward(last)
+        if last:
+            self.before_last_backward()
+
+    def before_last_backward(self):
+        if self.reducer is not None:
+            self.reducer.arm()
+        self.observe()  # parameters are gathered now (stage 2; stage 3: the last blocks)
+
+    def finish_grads(self):
+        """After the last backward: gradients reduced over dp x sp and in their
+        parameters' tensor-parallel layout (FSDP did both already on stages 2 and 3)."""
+        if self.reducer is not None:
+            self.reducer.finish()
+        elif self.stage <= 1 and self.align is not None:
+            for p in self.params:
+                if p.grad is not None:
+                    self.align(p)
+
+    def grad_of(self, p) -> torch.Tensor:
+        if self.stage == 1 and self.reducer is not None:
+            return self.optimizer.grad_of(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return _local(p.grad)
+
+    def grad_parts(self, excluded=()) -> list:
+        from megaulysses.training.optim import GradPart
+        skip = {id(p) for p in excluded}
+        sharded = (DIM,) if self.stage >= 1 and self.comm.size(DIM) > 1 else ()
+        return [GradPart(self.grad_of(p), sharded + (("tp",) if _tp_sharded(p) else ()),
+                         id(p) not in skip)
+                for p in self.params if self._has_grad(p)]
+
+    def _has_grad(self, p) -> bool:
+        if self.stage == 1 and self.reducer is not None:
+            return p in self.reducer.shard_grads
+        return p.grad is not None
+
+    def step(self):
+        self.optimizer.step()
+        self.at_step = self.observe()  # gradients and optimizer states are all here now
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reshard(self):
+        """Free parameters gathered outside training steps (evaluation, stage 2/3)."""
+        for m in self._fsdp:
+            m.reshard()
+
+    # -- memory -------------------------------------------------------------------------
+
+    def held_bytes(self) -> dict:
+        """Bytes of model states this rank holds now, from the tensors themselves (each
+        storage once, at its allocated size, padding included): `params` (FSDP: the
+        shards and any gathered copies still allocated), `grads` (ZeRO-1: also the
+        reduced rows; FSDP: also unsharded gradients being accumulated), `optim`."""
+        seen: set = set()
+        params = sum(_storage_bytes(p, seen) for p in self.params)
+        grads = sum(_storage_bytes(p.grad, seen) for p in self.params)
+        for fp in self._fsdp_params():
+            params += sum(_storage_bytes(t, seen) for t in fp.all_gather_outputs)
+            unsharded = getattr(fp, "_unsharded_param", None)
+            grads += _storage_bytes(getattr(unsharded, "grad", None), seen)
+            grads += _storage_bytes(fp.unsharded_accumulated_grad, seen)
+        if self.reducer is not None:
+            grads += sum(_storage_bytes(g, seen) for g in self.reducer.shard_grads.values())
+        optim = sum(_storage_bytes(v, seen) for state in self.optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "optim": optim}
+
+    def observe(self) -> dict:
+        held = self.held_bytes()
+        for kind, n in held.items():
+            self.peak[kind] = max(self.peak.get(kind, 0), n)
+        return held
+
+    def pop_peak(self) -> dict:
+        """The most bytes of each kind held at the observed moments since the last call."""
+        out, self.peak = self.peak, {}
+        return out
+
+    def _fsdp_params(self):
+        for m in self._fsdp:
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield from group.fsdp_params
+
+
+def _storage_bytes(t, seen: set) -> int:
+    if t is None:
+        return 0
+    storage = _local(t).untyped_storage()
+    key = storage.data_ptr()
+    if storage.nbytes() == 0 or key in seen:
+        return 0
+    seen.add(key)
+    return storage.nbytes()
+
+
+def _tp_sharded(p) -> bool:
+    """Is `p` split over tensor-parallel ranks (as opposed to replicated on them)?"""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(pl.is_shard() or isinstance(pl, _StridedShard)
+               for name, pl in zip(names, p.placements) if name == "tp")
