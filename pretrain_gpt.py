@@ -8,8 +8,7 @@ import logging
 import os
 import sys
 
-from megaulysses.config import ConfigError, parse_args
-from megaulysses.training.checkpoint import CheckpointError
+from megaulysses.config import CheckpointError, ConfigError, parse_args
 
 
 def rank() -> int:
@@ -32,6 +31,8 @@ DEFAULT_RUN_OUTPUTS = ["--save", "runs/default/checkpoints",
 
 
 def _leave_process_group():
+    if "torch" not in sys.modules:  # a bad flag stopped us before anything was imported
+        return
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

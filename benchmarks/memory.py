@@ -162,9 +162,9 @@ def report(rows: dict, args, wall: float) -> str:
         s = r["states"]
         base_zero, base_sp = rows[(sp, 0)], rows[(1, zero)] if (1, zero) in rows else None
         table_rows.append([
-            sp, args.world // sp, zero, f"{s['params'] / MIB:.1f}", f"{s['grads'] / MIB:.1f}",
-            f"{s['optim'] / MIB:.1f}", f"{r['total'] / MIB:.1f}",
-            f"{r['total'] / base_zero['total']:.3f}", f"{r['params_peak'] / MIB:.1f}",
+            sp, args.world // sp, zero, f"{s['params'] / MIB:.2f}", f"{s['grads'] / MIB:.2f}",
+            f"{s['optim'] / MIB:.2f}", f"{r['total'] / MIB:.2f}",
+            f"{r['total'] / base_zero['total']:.3f}", f"{r['params_peak'] / MIB:.2f}",
             f"{r['peak'] / MIB:.1f}", f"{r['peak'] / base_zero['peak']:.3f}",
             f"{r['peak'] / base_sp['peak']:.3f}" if base_sp else "-"])
     lines.append(table(["sp", "dp", "zero", "params", "grads", "optim", "states",

@@ -39,6 +39,12 @@ class ConfigError(ValueError):
         self.flag = flag
 
 
+class CheckpointError(ValueError):
+    """A --load checkpoint is unreadable or does not fit the model. One line for users.
+    (Defined here, with ConfigError, so that the command line imports no torch to report
+    either.)"""
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 6

@@ -33,7 +33,10 @@ def assert_one_line_error(proc, *needles):
     (["--bf16", "--fp16"], ["--bf16"]),
     (["--split", "1,2,x"], ["--split"]),
     (["--lr-warmup-iters", "50", "--train-iters", "10"], ["--lr-warmup-iters"]),
-], ids=["heads", "query-groups", "batch", "positions", "int", "precision", "split", "warmup"])
+    (["--zero-stage", "4"], ["--zero-stage", "invalid choice: 4"]),
+    (["--grad-reduce-dtype", "fp16"], ["--grad-reduce-dtype", "invalid choice: 'fp16'"]),
+], ids=["heads", "query-groups", "batch", "positions", "int", "precision", "split", "warmup",
+        "zero-stage", "grad-reduce-dtype"])
 def test_inconsistent_flags(args, needles):
     assert_one_line_error(run_subprocess(args), *needles)
 

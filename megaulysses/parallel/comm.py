@@ -353,6 +353,10 @@ class RowShard:
         """This rank's rows of the whole tensor `t` (a view)."""
         return t[self.lo:self.hi]
 
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's `rows`, flat and zero-padded to `padded_numel` (what it sends)."""
+        return F.pad(rows.reshape(-1), (0, self.padded_numel - self.numel))
+
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's rows from its padded piece `flat` (a view)."""
         return flat[:self.numel].view((self.hi - self.lo,) + self.shape[1:])

@@ -33,7 +33,6 @@ token count, so gradients are summed over dp x sp, never averaged (FSDP's averag
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
@@ -43,8 +42,6 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from megaulysses.parallel.comm import Comm, GradReducer, RowShard, _local
-
-log = logging.getLogger(__name__)
 
 DIM = "dp_sp"
 
@@ -59,7 +56,7 @@ def shard_blocks(model, comm: Comm, stage: int, mp: MixedPrecisionPolicy, pipeli
     """fully_shard every transformer block this rank holds over dp x sp. Stage 3 frees a
     block's gathered parameters after its forward (and gathers the next one early); stage
     2, and any stage under pp, keeps them until backward."""
-    blocks = [b for b in model.layers.values()]
+    blocks = list(model.layers.values())
     reshard = stage == 3 and not pipeline
     for block in blocks:
         fully_shard(block, mesh=comm.mesh(DIM), reshard_after_forward=reshard, mp_policy=mp)
@@ -138,7 +135,7 @@ class ShardedAdamW:
         """Every rank's updated rows into every rank's parameters, bucket by bucket."""
         launched = []
         for bucket in self.reducer.buckets:
-            mine = torch.cat([_padded_rows(self.shards[p], self.views[p]) for p in bucket])
+            mine = torch.cat([self.shards[p].pad(self.views[p]) for p in bucket])
             out = mine.new_empty(self.comm.size(DIM), mine.numel())  # [P, pieces]
             launched.append((bucket, out, self.comm.all_gather_flat(out.view(-1), mine, DIM,
                                                                      async_op=True)))
@@ -213,11 +210,6 @@ class ShardedAdamW:
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
-
-
-def _padded_rows(shard: RowShard, rows: torch.Tensor) -> torch.Tensor:
-    flat = rows.reshape(-1)
-    return torch.cat([flat, flat.new_zeros(shard.padded_numel - flat.numel())])
 
 
 def row_shard_spec(p, comm: Comm):

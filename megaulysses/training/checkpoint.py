@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from megaulysses.config import CheckpointError  # noqa: F401 (raised here, caught by the CLI)
+
 log = logging.getLogger(__name__)
 
 MARKER = "latest_checkpointed_iteration.txt"
@@ -39,10 +41,6 @@ MARKER = "latest_checkpointed_iteration.txt"
 # would not survive DCP's de-duplication; flat keys also load on any other grid.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 STATE_FILE = "trainer_state.json"
-
-
-class CheckpointError(ValueError):
-    """A --load checkpoint is unreadable or does not fit the model. One line for users."""
 
 
 @dataclass
