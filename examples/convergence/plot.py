@@ -1,12 +1,13 @@
 """Plot the convergence study's loss curves (run.sh) and compare each with one process.
 
-    python examples/convergence/plot.py OUT_DIR [--png PATH] [--rtol 1e-5]
+    python examples/convergence/plot.py OUT_DIR [--png PATH] [--rtol 1e-5] [--check]
 
 Reads OUT_DIR/*.jsonl (one_process.jsonl is the reference), draws every training-loss
 curve into one PNG (default OUT_DIR/convergence.png), and prints, per run, the largest
-relative difference of its per-iteration loss from the one-process loss. Exits 1 when a
-difference exceeds --rtol (fp32 runs of the same model, data and global batch differ only
-by summation order).
+relative difference of its logged loss from the one-process loss, and where it stops
+being within --rtol. fp32 runs of the same model, data and global batch differ only by
+summation order; over a few steps that stays within 1e-5, over hundreds it grows (training
+amplifies last-bit differences), so --check (exit 1 beyond --rtol) is for short runs.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def read_curves(out_dir: str) -> dict[str, dict[int, float]]:
     return curves
 
 
-def max_differences(curves: dict) -> dict[str, float]:
-    """Per run: max over iterations of |loss - reference| / reference."""
+def differences(curves: dict) -> dict[str, dict[int, float]]:
+    """Per run and logged iteration: |loss - reference| / reference."""
     ref = curves[REFERENCE]
     out = {}
     for name, curve in curves.items():
@@ -47,8 +48,12 @@ def max_differences(curves: dict) -> dict[str, float]:
         if sorted(curve) != sorted(ref):
             raise SystemExit(f"{name}: iterations {min(curve)}..{max(curve)} differ from "
                              f"the one-process run's {min(ref)}..{max(ref)}")
-        out[name] = max(abs(curve[i] - ref[i]) / abs(ref[i]) for i in ref)
+        out[name] = {i: abs(curve[i] - ref[i]) / abs(ref[i]) for i in sorted(ref)}
     return out
+
+
+def max_differences(curves: dict) -> dict[str, float]:
+    return {name: max(d.values()) for name, d in differences(curves).items()}
 
 
 def plot(curves: dict, png: str):
@@ -76,19 +81,26 @@ def main(argv=None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--png", default=None, help="default: OUT_DIR/convergence.png")
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--check", action="store_true", help="exit 1 when a run differs by "
+                   "more than --rtol")
     args = p.parse_args(argv)
     curves = read_curves(args.out_dir)
     png = args.png or os.path.join(args.out_dir, "convergence.png")
     plot(curves, png)
-    diffs = max_differences(curves)
+    diffs = differences(curves)
     iters = sorted(curves[REFERENCE])
-    print(f"{len(iters)} iterations; largest relative difference of the loss from the "
-          f"one-process run (tolerance {args.rtol:g}):")
+    print(f"{len(iters)} logged iterations; relative difference of the loss from the "
+          f"one-process run:")
+    print(f"  {'run':28s} {'largest':>9s} {'final':>9s}  within {args.rtol:g} up to")
     for name, d in diffs.items():
-        print(f"  {LABELS.get(name, name):28s} {d:.2e}")
-    print(f"final loss, 1 process: {curves[REFERENCE][iters[-1]]:.4f}; plot: {png}")
-    bad = [name for name, d in diffs.items() if d > args.rtol]
-    if bad:
+        within = [i for i in iters if all(d[j] <= args.rtol for j in iters if j <= i)]
+        print(f"  {LABELS.get(name, name):28s} {max(d.values()):9.2e} {d[iters[-1]]:9.2e}  "
+              f"{'iteration ' + str(within[-1]) if within else '-'}")
+    final = {name: c[iters[-1]] for name, c in curves.items()}
+    print("final loss: " + ", ".join(f"{LABELS.get(n, n)} {v:.4f}" for n, v in final.items()))
+    print(f"plot: {png}")
+    bad = [name for name, d in diffs.items() if max(d.values()) > args.rtol]
+    if args.check and bad:
         print(f"DIFFERENT beyond {args.rtol:g}: {', '.join(bad)}")
         return 1
     return 0

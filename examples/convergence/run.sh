@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 OUT=${1:-runs/convergence}
 shift || true
 mkdir -p "$OUT"
-COMMON=(--generate 0 "$@")
+COMMON=(--generate 0 --log-interval 1 "$@")
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node 4)
 
 run() {  # run NAME COMMAND...: the command with the common flags, its metrics in OUT/NAME
