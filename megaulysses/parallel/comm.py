@@ -199,7 +199,6 @@ class Comm:
         _REDUCE_SCATTER(out, send, op=dist.ReduceOp.SUM, group=self.group(dim))
         return out
 
-
     # -- ZeRO: collectives on flat buffers, and FSDP2's own collectives counted ----------
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
