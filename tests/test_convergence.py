@@ -32,4 +32,8 @@ def test_short_study_agrees_with_one_process_and_plots(tmp_path):
     assert all(sorted(c) == [1, 2, 3, 4] for c in curves.values())
     diffs = plot.max_differences(curves)
     assert max(diffs.values()) <= 1e-5, diffs
-    assert "largest relative difference" in proc.stdout
+    # the printed report: one line per run, each within the tolerance up to the last iteration
+    report = [line for line in proc.stdout.splitlines() if "iteration 4" in line]
+    assert sorted(line.split("  ")[1].strip() for line in report) == sorted(
+        plot.LABELS[n] for n in names if n != plot.REFERENCE), proc.stdout
+    assert plot.main([str(out), "--png", str(tmp_path / "check.png"), "--check"]) == 0
