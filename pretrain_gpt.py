@@ -49,8 +49,9 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         from megaulysses.training.trainer import Trainer  # heavy imports after flag checks
         trainer = Trainer(cfg)
-        trainer.train()
-        text = trainer.generate()
+        result = trainer.train()
+        # Stopped by a signal or the time limit: the job is about to end, so no sampling.
+        text = trainer.generate() if result["stopped"] is None else None
     except (ConfigError, CheckpointError) as e:
         # Every rank meets the same flags and files, so every rank gets here on its own
         # (no collective needed) and exits 2; one line is enough, from rank 0.

@@ -149,6 +149,12 @@ class TrainConfig:
     load: Optional[str] = None
     save_interval: Optional[int] = None  # None: only at the end when --save is given
     exit_interval: Optional[int] = None  # stop (and save) after this iteration
+    exit_duration_in_mins: Optional[float] = None  # save and stop before this wall time
+    exit_signal_handler: bool = False  # SIGTERM/SIGUSR1: finish the step, save, exit 0
+    keep_last: Optional[int] = None  # committed checkpoints kept; None: all
+    async_save: bool = False  # write checkpoints in a background thread
+    no_load_optim: bool = False
+    no_load_rng: bool = False
     generate: int = 200  # tokens sampled from the trained model at the end; 0: off
     generate_prompt: str = ""
     generate_temperature: float = 0.8
@@ -290,6 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=pos("--save-interval"), default=None)
     g.add_argument("--exit-interval", type=pos("--exit-interval"), default=None,
                    help="stop after the first iteration divisible by this (saving with --save)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and stop once the run has lasted this long")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction,
+                   default=None, help="on SIGTERM or SIGUSR1 every rank finishes the current "
+                   "step, saves (with --save) and exits 0; default: on under SLURM")
+    g.add_argument("--keep-last", type=pos("--keep-last"), default=None,
+                   help="keep only the newest N committed checkpoints (default: all)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load only the model (and RNG) from --load: a fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not restore the RNG states saved in --load")
     g.add_argument("--generate", type=int, default=t.generate,
                    help="sample this many tokens from the trained model at the end (0: off)")
     g.add_argument("--generate-prompt", default=t.generate_prompt)
@@ -415,8 +434,13 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     _require(t.loss_scale is None or t.loss_scale > 0, "--loss-scale", "must be > 0")
     _require(t.initial_loss_scale >= t.min_loss_scale > 0, "--initial-loss-scale",
              "must be >= --min-loss-scale > 0")
-    if t.save_interval is not None:
-        _require(t.save is not None, "--save-interval", "needs --save DIR")
+    for flag, value in (("--save-interval", t.save_interval), ("--keep-last", t.keep_last),
+                        ("--async-save", t.async_save)):
+        _require(not value or t.save is not None, flag, "needs --save DIR")
+    _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+             "--exit-duration-in-mins", f"must be > 0, got {t.exit_duration_in_mins}")
+    if t.exit_signal_handler is None:  # SLURM sends SIGTERM before it kills a job
+        t.exit_signal_handler = "SLURM_JOB_ID" in os.environ
 
 
 def _validate_pipeline(par: ParallelConfig):

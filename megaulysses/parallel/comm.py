@@ -148,6 +148,21 @@ class Comm:
         if self.meshes:
             dist.barrier()
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank (a stop request one rank
+        saw: a signal, a wall-clock limit). Control traffic: not counted."""
+        if not self.meshes:
+            return flag
+        t = torch.tensor([float(flag)], device=self.meshes["world"].device_type)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def new_checkpoint_group(self):
+        """A gloo group of all ranks for background checkpoint writes (DCP coordinates
+        over it from its own thread, apart from the training collectives). Every rank
+        must call it, at the same point; None alone."""
+        return dist.new_group(backend="gloo") if self.meshes else None
+
     # -- all-to-all with autograd (Ulysses) ---------------------------------------------
 
     def all_to_all(self, x: torch.Tensor, dim: str, scatter_dim: int, gather_dim: int):

@@ -2,25 +2,40 @@
 
 Layout of `--save DIR`:
     DIR/iter_0000100/            one committed checkpoint
-        .metadata, *.distcp      torch.distributed.checkpoint (model + optimizer)
-        trainer_state.json       iteration, consumed samples, loss scaler, model shape
+        .metadata, *.distcp      torch.distributed.checkpoint: "model.<name>" (whole-model
+                                 shapes, whatever grid saved them), "optim.<...>"
+        trainer_state.json       iteration, consumed samples, loss scaler, model shape,
+                                 LR schedule, data, tokenizer, the flags of the run
+        tokenizer.model          a copy of the run's tokenizer (self-contained checkpoint)
         rng_rank00000.pt         python / numpy / torch (/ cuda) RNG states of each rank
-    DIR/latest_checkpointed_iteration.txt   "100" (Megatron's name for the marker)
+        COMMITTED                written last: the checkpoint is complete
+    DIR/latest_checkpointed_iteration.txt   "100" (Megatron's name for the `latest` marker)
 
-A checkpoint is written to DIR/.tmp_iter_0000100 and renamed into place only when
-complete; the marker is replaced atomically after that. A crash mid-save leaves the
-previous checkpoint and marker untouched.
+Commit protocol: everything is written into DIR/.tmp_iter_0000100; when every rank's
+files are there, rank 0 writes trainer_state.json and COMMITTED (fsync'd), renames the
+directory into place (atomic) and then replaces the marker (atomic). A crash at any point
+leaves the previous checkpoint and marker as they were; an `iter_*` directory without
+COMMITTED (a copy cut short, a non-atomic file system) is skipped with a warning.
+
+A checkpoint written by tools/convert_checkpoint.py holds only the model ("contents":
+["model"] in trainer_state.json): loading it starts at its iteration (0) with a fresh
+optimizer, as continued pretraining from imported weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -31,16 +46,19 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from megaulysses.config import CheckpointError  # noqa: F401 (raised here, caught by the CLI)
+from megaulysses.config import CheckpointError
 
 log = logging.getLogger(__name__)
 
 MARKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+COMMIT_FILE = "COMMITTED"
+TOKENIZER_FILE = "tokenizer.model"
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
 # pipeline stages hold different parameters, so a nested per-rank list of param groups
 # would not survive DCP's de-duplication; flat keys also load on any other grid.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-STATE_FILE = "trainer_state.json"
 
 
 @dataclass
@@ -54,6 +72,8 @@ class TrainState:
 def iteration_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
 
+
+# -- RNG and small files ------------------------------------------------------------------
 
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -71,45 +91,30 @@ def _set_rng_state(state: dict):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_json(path: str, obj):
+def _write_file(path: str, text: str):
+    """Write, fsync, rename: the file is either absent or whole."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def save_checkpoint(save_dir: str, model, optimizer, state: TrainState, model_shape: dict,
-                    rank: int = 0, barrier=lambda: None):
-    """Every rank calls this; `barrier` synchronizes them (a no-op on one process)."""
-    final = iteration_dir(save_dir, state.iteration)
-    tmp = os.path.join(save_dir, ".tmp_" + os.path.basename(final))
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
-        os.makedirs(tmp)
-    barrier()  # the directory exists before anybody writes into it
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    with warnings.catch_warnings():  # single process: DCP warns that it runs without a group
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
-    barrier()  # every rank's files are in place before the commit
-    if rank == 0:
-        _write_json(os.path.join(tmp, STATE_FILE),
-                    {"iteration": state.iteration,
-                     "consumed_train_samples": state.consumed_train_samples,
-                     "skipped_iterations": state.skipped_iterations,
-                     "loss_scaler": state.loss_scaler, "model": model_shape})
-        if os.path.exists(final):  # re-saving the same iteration: replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        with open(os.path.join(save_dir, MARKER + ".tmp"), "w") as f:
-            f.write(str(state.iteration))
-        os.replace(os.path.join(save_dir, MARKER + ".tmp"), os.path.join(save_dir, MARKER))
-    barrier()  # nobody runs ahead (and, e.g., exits) before the commit
-    log.info("saved checkpoint %s", final)
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- saving -------------------------------------------------------------------------------
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict]:
     """Model and optimizer state, keyed by parameter name, as DTensors where sharded. The
@@ -124,73 +129,299 @@ def _names(model) -> dict:
     return {p: name for name, p in model.named_parameters()}
 
 
-def find_checkpoint(load: str) -> str | None:
-    """The directory to load from `--load`, or None to start from scratch.
+@contextlib.contextmanager
+def _quiet():
+    """Single process: DCP warns that it runs without a process group."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
-    A missing or empty directory means a first run (as in Megatron); a directory with
-    anything in it that is not a readable checkpoint is an error, never a silent restart.
+
+class Saver:
+    """Writes checkpoints into `save_dir` (every rank calls `save`; rank 0 commits).
+
+    `barrier` synchronizes all ranks. With `use_async` the DCP write runs in a background
+    thread on a CPU copy of the state while training goes on, coordinating over
+    `async_group` (a gloo group of all ranks for checkpoint traffic only, None alone);
+    rank 0 commits when its write is done, which DCP reports only after every rank's data
+    is written (its finish step gathers all ranks).
+    `keep_last`: committed checkpoints beyond the newest N are deleted after a commit.
     """
+
+    def __init__(self, save_dir: str, rank: int, barrier: Callable[[], None],
+                 keep_last: Optional[int] = None, use_async: bool = False, async_group=None):
+        self.save_dir, self.rank, self.barrier = save_dir, rank, barrier
+        self.keep_last, self.use_async, self.async_group = keep_last, use_async, async_group
+        self.pending = None  # (future, tmp dir, final dir, meta) of an async save
+        self.last_saved: Optional[int] = None
+
+    def save(self, model, optimizer, state: TrainState, meta: dict, tokenizer: Optional[str]):
+        """`meta`: what trainer_state.json records besides the train state."""
+        self.wait()  # one save in flight at a time
+        final = iteration_dir(self.save_dir, state.iteration)
+        tmp = os.path.join(self.save_dir, ".tmp_" + os.path.basename(final))
+        if self.rank == 0:
+            self._clear_debris()
+            os.makedirs(tmp)
+            if tokenizer:
+                shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
+        self.barrier()  # the directory exists before anybody writes into it
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank:05d}.pt"))
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        meta = dict(meta, iteration=state.iteration, contents=["model", "optim", "rng"],
+                    consumed_train_samples=state.consumed_train_samples,
+                    skipped_iterations=state.skipped_iterations, loss_scaler=state.loss_scaler)
+        self.last_saved = state.iteration
+        if self.use_async:
+            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
+                                    process_group=self.async_group,
+                                    no_dist=self.async_group is None)
+            self.pending = (future, tmp, final, meta)
+            log.info("saving checkpoint %s in the background", final)
+            return
+        with _quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        self.barrier()  # every rank's files are in place before the commit
+        if self.rank == 0:
+            self._commit(tmp, final, meta)
+        self.barrier()  # nobody runs ahead (and, e.g., exits) before the commit
+
+    def poll(self):
+        """Commit a finished background save (rank 0); cheap, no collective."""
+        if self.pending is not None and self.pending[0].done():
+            self._finish()
+
+    def wait(self):
+        """Block until a background save is written and committed, on every rank."""
+        if self.pending is None:
+            return
+        self._finish()
+        self.barrier()
+
+    def _finish(self):
+        future, tmp, final, meta = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            log.error("background save of %s failed: %s; the previous checkpoint stays",
+                      final, _root_cause(e))
+            return
+        if self.rank == 0:
+            self._commit(tmp, final, meta)
+
+    def _commit(self, tmp: str, final: str, meta: dict):
+        _write_file(os.path.join(tmp, STATE_FILE), json.dumps(meta, indent=1))
+        _write_file(os.path.join(tmp, COMMIT_FILE), f"{meta['iteration']}\n")
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving the same iteration: replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_file(os.path.join(self.save_dir, MARKER), str(meta["iteration"]))
+        _fsync_dir(self.save_dir)
+        log.info("saved checkpoint %s", final)
+        if self.keep_last:
+            self._prune()
+
+    def _clear_debris(self):
+        """Remove what interrupted saves left (never a committed checkpoint)."""
+        for path in glob.glob(os.path.join(self.save_dir, ".tmp_iter_*")):
+            shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(self.save_dir, exist_ok=True)
+
+    def _prune(self):
+        committed = sorted(it for it, ok in _iteration_dirs(self.save_dir) if ok)
+        for it in committed[:-self.keep_last]:
+            shutil.rmtree(iteration_dir(self.save_dir, it), ignore_errors=True)
+            log.info("--keep-last %d: removed %s", self.keep_last,
+                     iteration_dir(self.save_dir, it))
+
+
+def write_model_checkpoint(save_dir: str, state_dict: dict, model_shape: dict,
+                           tokenizer: Optional[str] = None, iteration: int = 0,
+                           extra: Optional[dict] = None) -> str:
+    """One process: a committed model-only checkpoint the trainer loads (the converter's
+    import). `state_dict`: the GPT's parameters by name, whole tensors."""
+    saver = Saver(save_dir, 0, lambda: None)
+    final = iteration_dir(save_dir, iteration)
+    tmp = os.path.join(save_dir, ".tmp_" + os.path.basename(final))
+    saver._clear_debris()
+    os.makedirs(tmp)
+    meta = {"iteration": iteration, "contents": ["model"], "consumed_train_samples": 0,
+            "skipped_iterations": 0, "loss_scaler": {}, "model": model_shape,
+            **(extra or {})}
+    if tokenizer:
+        shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
+        meta["tokenizer"] = {"sha256": file_sha256(tokenizer)}
+    with _quiet():
+        dcp.save({"model": dict(state_dict)}, checkpoint_id=tmp, no_dist=True)
+    saver._commit(tmp, final, meta)
+    return final
+
+
+# -- finding and loading ------------------------------------------------------------------
+
+def _iteration_dirs(save_dir: str) -> list[tuple[int, bool]]:
+    """(iteration, committed) of every iter_XXXXXXX directory."""
+    out = []
+    for name in os.listdir(save_dir):
+        m = ITER_DIR.match(name)
+        if m and os.path.isdir(os.path.join(save_dir, name)):
+            out.append((int(m.group(1)), os.path.exists(os.path.join(save_dir, name,
+                                                                     COMMIT_FILE))))
+    return out
+
+
+def find_checkpoint(load: str, save: Optional[str] = None) -> Optional[str]:
+    """The committed checkpoint directory `--load` names, or None to start from scratch.
+
+    Starting from scratch is allowed only where a run resumes into its own --save
+    directory (the same command line for the first job and every requeued one); any
+    other --load that holds nothing loadable is an error, never a silent fresh start.
+    """
+    own = save is not None and os.path.abspath(save) == os.path.abspath(load)
     if not os.path.exists(load):
-        log.warning("--load %s does not exist: starting from scratch", load)
-        return None
+        if own:
+            log.info("--load %s does not exist yet: starting from scratch", load)
+            return None
+        raise CheckpointError(f"--load: {load} does not exist (to start from scratch and "
+                              "resume into it later, pass the same directory to --save)")
     if not os.path.isdir(load):
         raise CheckpointError(f"--load: {load} is not a directory")
-    if os.path.exists(os.path.join(load, STATE_FILE)):
-        return load  # an iter_XXXXXXX directory itself
-    marker = os.path.join(load, MARKER)
-    if os.path.exists(marker):
-        try:
-            iteration = int(open(marker).read().strip())
-        except (OSError, ValueError):
-            raise CheckpointError(f"--load: {marker} is unreadable or not an iteration number")
-        path = iteration_dir(load, iteration)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"--load: {marker} names iteration {iteration} but "
-                                  f"{path} does not exist")
-        return path
+    if ITER_DIR.match(os.path.basename(os.path.normpath(load))) or os.path.exists(
+            os.path.join(load, STATE_FILE)):
+        return _single(load)  # an iter_XXXXXXX directory itself
     try:
-        entries = os.listdir(load)
+        dirs = _iteration_dirs(load)
     except OSError as e:
         raise CheckpointError(f"--load: cannot read {load}: {e.strerror}")
-    if not entries:
-        log.warning("--load %s is empty: starting from scratch", load)
+    path = _newest_committed(load, dirs, _marker(load))
+    if path is not None:
+        return path
+    if own:
+        log.warning("--load %s holds no committed checkpoint: starting from scratch", load)
         return None
+    if dirs:
+        raise CheckpointError(f"--load: {load} holds no committed checkpoint (only "
+                              f"interrupted saves without {COMMIT_FILE})")
+    if not os.listdir(load):
+        raise CheckpointError(f"--load: {load} is empty (to start from scratch and resume "
+                              "into it later, pass the same directory to --save)")
     raise CheckpointError(f"--load: {load} exists but holds no checkpoint "
-                          f"(no {MARKER} and no {STATE_FILE})")
+                          f"(no {MARKER} and no iter_XXXXXXX directories)")
 
 
-def load_checkpoint(path: str, model, optimizer, model_shape: dict, rank: int = 0) -> TrainState:
+def _single(path: str) -> str:
+    if not os.path.exists(os.path.join(path, COMMIT_FILE)):
+        raise CheckpointError(f"--load: {path} has no {COMMIT_FILE} marker: an interrupted "
+                              "or incomplete save")
+    return path
+
+
+def _marker(load: str) -> Optional[int]:
+    marker = os.path.join(load, MARKER)
+    if not os.path.exists(marker):
+        return None
+    try:
+        return int(open(marker).read().strip())
+    except (OSError, ValueError):
+        raise CheckpointError(f"--load: {marker} is unreadable or not an iteration number")
+
+
+def _newest_committed(load: str, dirs: list, marked: Optional[int]) -> Optional[str]:
+    """The marker's iteration if committed, else the newest committed one below it (with a
+    warning for each skipped one). Without a marker: the newest committed."""
+    if marked is not None and marked not in {it for it, _ in dirs}:
+        raise CheckpointError(f"--load: {os.path.join(load, MARKER)} names iteration "
+                              f"{marked} but {iteration_dir(load, marked)} does not exist")
+    for it, ok in sorted(dirs, reverse=True):
+        if marked is not None and it > marked:
+            log.warning("%s is newer than %s (%d): ignored", iteration_dir(load, it), MARKER,
+                        marked)
+        elif not ok:
+            log.warning("%s has no %s marker (an interrupted save?): ignored",
+                        iteration_dir(load, it), COMMIT_FILE)
+        else:
+            return iteration_dir(load, it)
+    return None
+
+
+def read_meta(path: str) -> dict:
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
-            meta = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
-    _check_shape(path, meta.get("model", {}), model_shape)
+
+
+def load_checkpoint(path: str, model, optimizer, expect: dict, rank: int = 0,
+                    load_optim: bool = True, load_rng: bool = True) -> tuple[TrainState, dict]:
+    """Load into the (already parallelized) model and optimizer: DCP reshards whatever
+    grid saved it onto ours. `expect` is what the checkpoint must agree on (check_meta).
+    Returns the train state and the checkpoint's trainer_state.json."""
+    meta = read_meta(path)
+    check_meta(path, meta, expect)
+    contents = meta.get("contents", ["model", "optim", "rng"])
+    with_optim = load_optim and "optim" in contents
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    state_dict = {"model": model_sd, "optim": optim_sd}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state_dict, checkpoint_id=path)
-        rng_file = os.path.join(path, f"rng_rank{rank:05d}.pt")
-        rng = torch.load(rng_file, weights_only=False) if os.path.exists(rng_file) else None
-    # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
+    state_dict = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
+    rng = _load_dcp(path, state_dict, rank if load_rng and "rng" in contents else None)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
-    if hasattr(optimizer, "load_dcp_state_dict"):
+    if with_optim and hasattr(optimizer, "load_dcp_state_dict"):
         optimizer.load_dcp_state_dict(state_dict["optim"], _names(model))
-    else:
+    elif with_optim:
         set_optimizer_state_dict(model, optimizer, state_dict["optim"], options=OPTIONS)
+    else:
+        log.info("%s: model only (%s): the optimizer starts fresh", path,
+                 "--no-load-optim" if "optim" in contents else "an imported checkpoint")
     if rng is not None:
         _set_rng_state(rng)
-    else:  # saved on fewer ranks: this rank has no stream to continue
-        log.warning("%s has no RNG state for rank %d: keeping the seeded RNG", path, rank)
     log.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
     return TrainState(iteration=meta["iteration"],
                       consumed_train_samples=meta["consumed_train_samples"],
                       skipped_iterations=meta.get("skipped_iterations", 0),
-                      loss_scaler=meta.get("loss_scaler", {}))
+                      loss_scaler=meta.get("loss_scaler", {}) if with_optim else {}), meta
+
+
+def _load_dcp(path: str, state_dict: dict, rng_rank: Optional[int]) -> Optional[dict]:
+    """DCP load in place; this rank's RNG state (None if not asked for or not saved)."""
+    try:
+        with _quiet():
+            dcp.load(state_dict, checkpoint_id=path)
+        if rng_rank is None:
+            return None
+        rng_file = os.path.join(path, f"rng_rank{rng_rank:05d}.pt")
+        if not os.path.exists(rng_file):  # saved on fewer ranks: no stream to continue
+            log.warning("%s has no RNG state for rank %d: keeping the seeded RNG", path,
+                        rng_rank)
+            return None
+        return torch.load(rng_file, weights_only=False)
+    # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
+
+
+def read_model_checkpoint(path: str) -> tuple[dict, dict]:
+    """One process, no grid: (trainer_state.json, {parameter name: whole tensor}) of a
+    committed checkpoint saved on any grid. For tools (conversion to Hugging Face)."""
+    from megaulysses.config import ModelConfig
+    from megaulysses.model.gpt import GPT
+    path = find_checkpoint(path)
+    meta = read_meta(path)
+    cfg = model_config(meta["model"])
+    with torch.device("meta"):
+        names = GPT(cfg).state_dict()
+    state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in names.items()}
+    _load_dcp(path, {"model": state}, None)
+    return meta, state
+
+
+def model_config(shape: dict):
+    """ModelConfig from a checkpoint's "model" entry (ModelConfig.shape_dict())."""
+    from dataclasses import fields
+    from megaulysses.config import ModelConfig
+    names = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in shape.items() if k in names})
 
 
 def _root_cause(e: BaseException) -> str:
@@ -203,9 +434,35 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _check_shape(path: str, saved: dict, current: dict):
-    for key, value in current.items():
-        if saved.get(key) != value:
+# -- what a checkpoint must agree on ------------------------------------------------------
+
+def check_meta(path: str, saved: dict, expect: dict):
+    """Errors (exit 2) for what makes the weights meaningless here: model shape,
+    vocabulary, tokenizer. `expect`: {"model": shape_dict, "tokenizer": {...}}."""
+    shape = saved.get("model", {})
+    for key, value in expect["model"].items():
+        if key in ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"):
+            continue
+        if shape.get(key) != value:
             flag = "--" + key.replace("_", "-")
-            raise CheckpointError(f"--load: {path} was saved with {flag}={saved.get(key)} "
+            raise CheckpointError(f"--load: {path} was saved with {flag}={shape.get(key)} "
                                   f"but this run has {value}")
+    _check_vocab(path, shape, saved.get("tokenizer"), expect)
+
+
+def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict):
+    want, tok = expect["model"], expect.get("tokenizer") or {}
+    where = tok.get("flag", "the tokenizer")
+    if shape.get("vocab_size") != want["vocab_size"]:
+        raise CheckpointError(f"--load: {path} was saved with a vocabulary of "
+                              f"{shape.get('vocab_size')} tokens but {where} has "
+                              f"{want['vocab_size']}")
+    if shape.get("padded_vocab_size") != want["padded_vocab_size"]:
+        raise CheckpointError(f"--load: {path} was saved with --make-vocab-size-divisible-by="
+                              f"{shape.get('make_vocab_size_divisible_by')} (padded vocabulary "
+                              f"{shape.get('padded_vocab_size')}) but this run pads to "
+                              f"{want['padded_vocab_size']}")
+    if saved_tok and tok.get("sha256") and saved_tok.get("sha256") != tok["sha256"]:
+        raise CheckpointError(f"--load: {path} was trained with another tokenizer than "
+                              f"{where} (same size, different vocabulary: sha256 "
+                              f"{saved_tok['sha256'][:12]} vs {tok['sha256'][:12]})")

@@ -119,17 +119,23 @@ class MetricsWriter:
     """Writes each logged record to tensorboard and --metrics-jsonl (rank 0 only)."""
 
     def __init__(self, tensorboard_dir: Optional[str], jsonl_path: Optional[str],
-                 append: bool = False, enabled: bool = True):
-        """`append`: a resumed run continues the file; a fresh run starts it anew."""
+                 resumed_at: Optional[int] = None, enabled: bool = True):
+        """`resumed_at`: the iteration a resumed run continues from. Its files continue,
+        minus what an interrupted run logged after that iteration (it is logged again);
+        a fresh run (None) starts them anew."""
         self.tb = self.jsonl = None
         if not enabled:
             return
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            # purge_step: tensorboard drops the events at or after it from older files
+            self.tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=None if resumed_at
+                                    is None else resumed_at + 1)
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self.jsonl = open(jsonl_path, "a" if append else "w")
+            if resumed_at is not None:
+                _truncate_jsonl(jsonl_path, resumed_at)
+            self.jsonl = open(jsonl_path, "a" if resumed_at is not None else "w")
 
     def write(self, record: dict):
         """`record` has an `iteration`; every other numeric entry becomes a scalar."""
@@ -147,3 +153,24 @@ class MetricsWriter:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def _truncate_jsonl(path: str, last_iteration: int):
+    """Keep the records up to `last_iteration` (atomically: write a copy, rename)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if _iteration(line) <= last_iteration]
+    if len(keep) == len(lines):
+        return
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def _iteration(line: str) -> float:
+    try:
+        return json.loads(line).get("iteration", 0)
+    except ValueError:  # a line cut short by the crash
+        return float("inf")

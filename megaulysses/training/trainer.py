@@ -10,6 +10,7 @@ of the global mean loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -39,6 +40,7 @@ from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, fo
                                           memory_stats, peak_tflops)
 from megaulysses.training.optim import (LossScaler, LRSchedule, adamw, param_groups, set_lr,
                                         unscale_and_clip)
+from megaulysses.training.stop import StopConditions
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         t = cfg.train
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
         seed_everything(t.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
@@ -189,6 +192,7 @@ class Trainer:
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
         self.state = ckpt.TrainState()
+        self.saver = self._build_saver() if t.save else None
         self._log_model(name)
         if t.load:
             self._load(t.load)
@@ -290,26 +294,83 @@ class Trainer:
                  "and are logged every --log-interval", self.zero_stage, n,
                  ZERO_SHARDS[self.zero_stage], _mib(held["params"]))
 
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _build_saver(self) -> ckpt.Saver:
+        t = self.cfg.train
+        group = self.comm.new_checkpoint_group() if t.async_save else None
+        return ckpt.Saver(t.save, self.rank, self.comm.barrier, t.keep_last, t.async_save,
+                          group)
+
+    def _tokenizer_meta(self) -> dict:
+        """What identifies the vocabulary: a checkpoint must be loaded with the same."""
+        d = self.cfg.data
+        if d.tokenizer_type == "NullTokenizer":
+            return {"type": d.tokenizer_type, "vocab_size": self.tokenizer.vocab_size,
+                    "flag": f"--vocab-size {d.vocab_size} (NullTokenizer)"}
+        if not hasattr(self, "_tokenizer_sha"):
+            self._tokenizer_sha = ckpt.file_sha256(d.tokenizer_model)
+        return {"type": d.tokenizer_type, "vocab_size": self.tokenizer.vocab_size,
+                "sha256": self._tokenizer_sha, "flag": f"--tokenizer-model {d.tokenizer_model}"}
+
+    def _checkpoint_meta(self) -> dict:
+        cfg, t, d = self.cfg, self.cfg.train, self.dims
+        return {"model": cfg.model.shape_dict(), "tokenizer": self._tokenizer_meta(),
+                "lr_schedule": _schedule_meta(t), "data": _data_meta(cfg),
+                "grid": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp,
+                         "zero_stage": self.zero_stage},
+                "args": dataclasses.asdict(cfg)}
+
     def _load(self, load_dir: str):
-        path = ckpt.find_checkpoint(load_dir)
+        t = self.cfg.train
+        path = ckpt.find_checkpoint(load_dir, t.save)
         if path is None:
             return
-        self.state = ckpt.load_checkpoint(path, self.model, self.optimizer,
-                                          self.cfg.model.shape_dict(), rank=self.rank)
+        expect = {"model": self.cfg.model.shape_dict(), "tokenizer": self._tokenizer_meta()}
+        self.state, meta = ckpt.load_checkpoint(path, self.model, self.optimizer, expect,
+                                                self.rank, load_optim=not t.no_load_optim,
+                                                load_rng=not t.no_load_rng)
         if self.state.loss_scaler and isinstance(self.scaler, LossScaler):
             self.scaler.load_state_dict(self.state.loss_scaler)
+        _warn_changed(path, "lr_schedule", meta, _schedule_meta(t),
+                      "the new value applies from here on")
+        _warn_changed(path, "data", meta, _data_meta(self.cfg),
+                      "the samples from here on differ from the saved run's")
+        if self.state.iteration >= t.train_iters:
+            log.warning("%s is at iteration %d, not before --train-iters %d: nothing to train",
+                        path, self.state.iteration, t.train_iters)
 
     def save(self):
-        t = self.cfg.train
         self.state.loss_scaler = self.scaler.state_dict()
-        ckpt.save_checkpoint(t.save, self.model, self.optimizer, self.state,
-                             self.cfg.model.shape_dict(), rank=self.rank,
-                             barrier=self.comm.barrier)
+        tokenizer = self.cfg.data.tokenizer_model if self.cfg.data.tokenizer_type != \
+            "NullTokenizer" else None
+        self.saver.save(self.model, self.optimizer, self.state, self._checkpoint_meta(),
+                        tokenizer)
 
     def train(self) -> dict:
+        """Train to --train-iters, or until --exit-interval, a signal or
+        --exit-duration-in-mins stops every rank after the same step (then it saves)."""
         cfg, t = self.cfg, self.cfg.train
         writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl,
-                               append=self.state.iteration > 0, enabled=self.rank == 0)
+                               resumed_at=self.state.iteration or None, enabled=self.rank == 0)
+        stop = StopConditions(t.exit_signal_handler, t.exit_duration_in_mins, self.started)
+        resumed = self.state.iteration
+        try:
+            last_eval, stopped = self._loop(writer, stop)
+            it = self.state.iteration
+            if t.save and it > resumed and self.saver.last_saved != it:
+                self.save()
+            if t.save:
+                self.saver.wait()  # a background save is committed before we go on
+        finally:
+            stop.close()
+        if t.eval_iters and self.test_data and not stopped:
+            self._eval(writer, "test", self.test_data, 0)
+        writer.close()
+        return {"iteration": self.state.iteration, "eval_loss": last_eval, "stopped": stopped}
+
+    def _loop(self, writer: MetricsWriter, stop: StopConditions):
+        cfg, t = self.cfg, self.cfg.train
         flops = flops_per_iteration(cfg.model, t.global_batch_size)
         peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
         log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",
@@ -318,6 +379,8 @@ class Trainer:
         start_iter, t_start = self.state.iteration, time.perf_counter()
         last_eval = None
         while self.state.iteration < t.train_iters:
+            if self.saver is not None:
+                self.saver.poll()  # commit a finished background save
             set_lr(self.optimizer, self.schedule(self.state.iteration))
             t0 = time.perf_counter()
             batches = self.train_data.micro_batches(self.state.consumed_train_samples)
@@ -338,15 +401,15 @@ class Trainer:
                                        (it // t.eval_interval) * t.eval_iters * t.global_batch_size)
             if t.save and t.save_interval and it % t.save_interval == 0:
                 self.save()
+            reason = stop.reason(self.comm)
+            if reason is not None:
+                log.info("%s: stopping after iteration %d%s", reason, it,
+                         " (saving a checkpoint)" if t.save else " (no --save: nothing saved)")
+                return last_eval, reason
             if t.exit_interval and it % t.exit_interval == 0 and it < t.train_iters:
                 log.info("--exit-interval %d: stopping after iteration %d", t.exit_interval, it)
                 break
-        if t.save and (not t.save_interval or self.state.iteration % t.save_interval):
-            self.save()
-        if t.eval_iters and self.test_data:
-            self._eval(writer, "test", self.test_data, 0)
-        writer.close()
-        return {"iteration": self.state.iteration, "eval_loss": last_eval}
+        return last_eval, None
 
     def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
@@ -413,6 +476,27 @@ class Trainer:
 
 
 COMM_KEYS = {"all_to_all": "a2a"}
+
+
+def _schedule_meta(t) -> dict:
+    return {"lr": t.lr, "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style,
+            "lr_warmup_iters": t.lr_warmup_iters,
+            "lr_decay_iters": t.lr_decay_iters or t.train_iters}
+
+
+def _data_meta(cfg: Config) -> dict:
+    d = cfg.data
+    return {"data_path": list(d.data_path), "split": d.split, "seed": cfg.train.seed,
+            "mock_data": d.mock_data, "seq_length": cfg.model.seq_length}
+
+
+def _warn_changed(path: str, key: str, meta: dict, now: dict, consequence: str):
+    """Flags that may change on resume (unlike the model's shape), but rarely should."""
+    saved = meta.get(key, {})
+    for name, value in now.items():
+        if name in saved and saved[name] != value:
+            log.warning("--%s is %s but %s was saved with %s: %s", name.replace("_", "-"),
+                        value, path, saved[name], consequence)
 ZERO_SHARDS = {0: "nothing sharded", 1: "optimizer states sharded",
                2: "optimizer states and gradients sharded",
                3: "optimizer states, gradients and parameters sharded"}
