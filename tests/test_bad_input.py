@@ -35,8 +35,11 @@ def assert_one_line_error(proc, *needles):
     (["--lr-warmup-iters", "50", "--train-iters", "10"], ["--lr-warmup-iters"]),
     (["--zero-stage", "4"], ["--zero-stage", "invalid choice: 4"]),
     (["--grad-reduce-dtype", "fp16"], ["--grad-reduce-dtype", "invalid choice: 'fp16'"]),
+    (["--keep-last", "2"], ["--keep-last", "needs --save"]),
+    (["--async-save"], ["--async-save", "needs --save"]),
+    (["--exit-duration-in-mins", "0"], ["--exit-duration-in-mins", "must be > 0"]),
 ], ids=["heads", "query-groups", "batch", "positions", "int", "precision", "split", "warmup",
-        "zero-stage", "grad-reduce-dtype"])
+        "zero-stage", "grad-reduce-dtype", "keep-last", "async-save", "exit-duration"])
 def test_inconsistent_flags(args, needles):
     assert_one_line_error(run_subprocess(args), *needles)
 
@@ -88,20 +91,52 @@ def test_load_of_unreadable_directory_never_starts_from_scratch(tmp_path):
     assert "iteration" not in proc.stdout.split("model:")[-1]  # no training happened
 
 
-def test_load_of_corrupt_checkpoint_is_an_error(tmp_path):
-    ck = tmp_path / "ck"
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A committed checkpoint of TINY after 2 iterations."""
+    ck = tmp_path_factory.mktemp("saved") / "ck"
     proc = run_subprocess(TINY + ["--train-iters", "2", "--eval-iters", "0", "--save", str(ck)])
     assert proc.returncode == 0, proc.stderr
+    return ck
+
+
+def _truncate_a_shard(ck):
     shard = [f for f in os.listdir(ck / "iter_0000002") if f.endswith(".distcp")][0]
     with open(ck / "iter_0000002" / shard, "r+b") as f:
         f.truncate(100)
-    proc = run_subprocess(TINY + ["--load", str(ck)])
-    assert_one_line_error(proc, "--load", "corrupt or incomplete")
 
 
-def test_load_with_a_different_model_shape_names_the_flag(tmp_path):
+def _break(ck, how: str):
+    """Damage a copy of the saved checkpoint; returns the --load path to use."""
+    it = ck / "iter_0000002"
+    if how == "corrupt":
+        _truncate_a_shard(ck)
+    elif how == "partial":
+        os.remove(it / ".metadata")
+    elif how in ("uncommitted", "uncommitted-iter-dir"):
+        os.remove(it / "COMMITTED")
+        return it if how == "uncommitted-iter-dir" else ck
+    elif how == "missing":
+        shutil.rmtree(ck)
+    return ck
+
+
+@pytest.mark.parametrize("how,flags,needles", [
+    ("missing", [], ["--load", "does not exist", "pass the same directory to --save"]),
+    ("corrupt", [], ["--load", "corrupt or incomplete"]),
+    ("partial", [], ["--load", "corrupt or incomplete", ".metadata"]),
+    ("uncommitted", [], ["--load", "holds no committed checkpoint"]),
+    ("uncommitted-iter-dir", [], ["--load", "no COMMITTED marker"]),
+    ("intact", ["--num-layers", "3"], ["--load", "--num-layers=2", "3"]),
+    ("intact", ["--no-swiglu"], ["--load", "--swiglu=True", "False"]),
+    ("intact", ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"],
+     ["--load", "vocabulary of", "--vocab-size 500 (NullTokenizer) has 501"]),
+], ids=["missing", "corrupt", "partial", "uncommitted", "uncommitted-iter-dir", "shape",
+        "architecture", "vocabulary"])
+def test_bad_checkpoint_is_one_line_and_trains_nothing(saved, tmp_path, how, flags, needles):
     ck = tmp_path / "ck"
-    proc = run_subprocess(TINY + ["--train-iters", "2", "--eval-iters", "0", "--save", str(ck)])
-    assert proc.returncode == 0, proc.stderr
-    proc = run_subprocess(TINY + ["--load", str(ck), "--num-layers", "3"])
-    assert_one_line_error(proc, "--load", "--num-layers=2", "3")
+    shutil.copytree(saved, ck)
+    load = _break(ck, how)
+    proc = run_subprocess(TINY + ["--load", str(load)] + flags)
+    assert_one_line_error(proc, *needles)
+    assert "iteration" not in proc.stdout.split("model:")[-1]  # no training happened

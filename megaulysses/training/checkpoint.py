@@ -54,6 +54,7 @@ MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 COMMIT_FILE = "COMMITTED"
 TOKENIZER_FILE = "tokenizer.model"
+VOCAB_KEYS = ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by")
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
 # pipeline stages hold different parameters, so a nested per-rank list of param groups
@@ -129,12 +130,22 @@ def _names(model) -> dict:
     return {p: name for name, p in model.named_parameters()}
 
 
+def _not_from_dcp(record: logging.LogRecord) -> bool:
+    return f"{os.sep}distributed{os.sep}checkpoint{os.sep}" not in record.pathname
+
+
 @contextlib.contextmanager
 def _quiet():
-    """Single process: DCP warns that it runs without a process group."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        yield
+    """DCP warns when it runs without a process group, and logs each failure with a
+    traceback on the root logger; we report failures ourselves, in one line."""
+    root = logging.getLogger()
+    root.addFilter(_not_from_dcp)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        root.removeFilter(_not_from_dcp)
 
 
 class Saver:
@@ -440,13 +451,17 @@ def check_meta(path: str, saved: dict, expect: dict):
     """Errors (exit 2) for what makes the weights meaningless here: model shape,
     vocabulary, tokenizer. `expect`: {"model": shape_dict, "tokenizer": {...}}."""
     shape = saved.get("model", {})
-    for key, value in expect["model"].items():
-        if key in ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by"):
-            continue
-        if shape.get(key) != value:
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(f"--load: {path} was saved with {flag}={shape.get(key)} "
-                                  f"but this run has {value}")
+    differ = [("--" + key.replace("_", "-"), shape.get(key), value)
+              for key, value in expect["model"].items()
+              if key not in VOCAB_KEYS and shape.get(key) != value]
+    if len(differ) == 1:  # the usual case: one flag changed
+        flag, old, new = differ[0]
+        raise CheckpointError(f"--load: {path} was saved with {flag}={old} but this run "
+                              f"has {new}")
+    if differ:  # one changed switch moves derived sizes too: name them all
+        raise CheckpointError(
+            f"--load: {path} was saved with {', '.join(f'{f}={o}' for f, o, _ in differ)} "
+            f"but this run has {', '.join(f'{f}={n}' for f, _, n in differ)}")
     _check_vocab(path, shape, saved.get("tokenizer"), expect)
 
 

@@ -84,3 +84,15 @@ def test_no_load_optim_starts_a_fresh_optimizer(full, tmp_path):
     assert sorted(fresh) == [4, 5, 6]
     assert fresh[4] == pytest.approx(full[4], rel=1e-6)  # same weights before step 4
     assert fresh[5] != full[5]  # a different step 4
+
+
+def test_a_different_tokenizer_of_the_same_size_is_refused():
+    """Same vocabulary size, other pieces: the embedding rows would mean other tokens."""
+    from megaulysses.config import CheckpointError, ModelConfig
+    from megaulysses.training.checkpoint import check_meta
+    shape = ModelConfig(vocab_size=1000).shape_dict()
+    saved = {"model": shape, "tokenizer": {"sha256": "a" * 64}}
+    check_meta("ck", saved, {"model": shape, "tokenizer": {"sha256": "a" * 64}})
+    with pytest.raises(CheckpointError, match="another tokenizer than --tokenizer-model t"):
+        check_meta("ck", saved, {"model": shape, "tokenizer": {
+            "sha256": "b" * 64, "flag": "--tokenizer-model t"}})

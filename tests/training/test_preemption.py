@@ -124,3 +124,30 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert f"loaded checkpoint {ck}/iter_{last:07d}" in proc.stdout
     assert [r["iteration"] for r in read_jsonl(metrics) if "loss" in r] == [last + 1]
     assert not glob.glob(os.path.join(ck, ".tmp_iter_*"))  # the debris is cleared
+
+
+def test_torchrun_forwards_sigusr1_and_the_workers_save(tmp_path):
+    """As examples/slurm/pretrain_gpt.sbatch runs it: SLURM's SIGUSR1 (--signal=USR1@300)
+    reaches torchrun, which forwards it (--signals-to-handle); the workers save and exit
+    0. torchrun itself then reports the signal and exits non-zero: that is its way."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()),
+           "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "pretrain_gpt.py",
+           *TINY, "--train-iters", "1000", "--eval-iters", "0", "--save", str(ck),
+           "--exit-signal-handler", "--metrics-jsonl", str(metrics),
+           "--data-cache-path", str(tmp_path / "cache")]
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        deadline = time.monotonic() + 240
+        while logged_iteration(metrics) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        wait_all([proc])
+    log = (tmp_path / "out.log").read_text()
+    stopped = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= stopped < 1000 and (ck / f"iter_{stopped:07d}" / "COMMITTED").exists()
+    assert log.count("SIGUSR1 received") == 2  # both workers
+    assert f"saved checkpoint {ck}/iter_{stopped:07d}" in log
