@@ -60,6 +60,10 @@ ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # pipeline stages hold different parameters, so a nested per-rank list of param groups
 # would not survive DCP's de-duplication; flat keys also load on any other grid.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# One process saves without a process group on purpose; a background save warns about it
+# from its own thread, where a catch_warnings() around the call does not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 
 @dataclass
@@ -451,9 +455,12 @@ def check_meta(path: str, saved: dict, expect: dict):
     """Errors (exit 2) for what makes the weights meaningless here: model shape,
     vocabulary, tokenizer. `expect`: {"model": shape_dict, "tokenizer": {...}}."""
     shape = saved.get("model", {})
+    free = set(VOCAB_KEYS) | {"seq_length"}  # the data's length: no weight depends on it
+    if expect["model"].get("position_embedding_type") == "rope":
+        free.add("max_position_embeddings")  # rotary tables are computed, not stored
     differ = [("--" + key.replace("_", "-"), shape.get(key), value)
               for key, value in expect["model"].items()
-              if key not in VOCAB_KEYS and shape.get(key) != value]
+              if key not in free and shape.get(key) != value]
     if len(differ) == 1:  # the usual case: one flag changed
         flag, old, new = differ[0]
         raise CheckpointError(f"--load: {path} was saved with {flag}={old} but this run "

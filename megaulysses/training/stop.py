@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -26,7 +27,9 @@ class StopConditions:
         self.duration_mins = duration_mins
         self.signal: Optional[str] = None
         self.previous = {}
-        if handle_signals:
+        if handle_signals and threading.current_thread() is not threading.main_thread():
+            log.warning("--exit-signal-handler: not the main thread, signals stay unhandled")
+        elif handle_signals:
             for sig in SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._on_signal)
 
