@@ -32,9 +32,12 @@ def saved(tmp_path_factory):
     ref_path, ref_args = run_args(tmp, "reference", [])
     train(0, 1, ref_args)
     ck = str(tmp / "ck")
-    _, args = run_args(tmp, "tp2-sp2-dp2", [], TP2 + SP2 + [
+    path, args = run_args(tmp, "tp2-sp2-dp2", [], TP2 + SP2 + [
         "--zero-stage", "3", "--save", ck, "--exit-interval", "3", "--async-save"])
     run_ranks(train_each, 8, [args])
+    got, want = train_losses(read_jsonl(path)), train_losses(read_jsonl(ref_path))
+    assert sorted(got) == [1, 2, 3]  # and the saving run itself equals one process
+    assert all(got[it] == pytest.approx(want[it], rel=LOSS_RTOL) for it in got), (got, want)
     return ck, read_jsonl(ref_path)
 
 

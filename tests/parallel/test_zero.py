@@ -212,11 +212,9 @@ def main_rc(rank, world, args):
     return pretrain_gpt.main(args)
 
 
-def test_zero3_checkpoint_resumes_exactly_and_loads_on_one_process(reference, tmp_path):
-    """dp2 at zero 3: stop at 3, resume: the same losses bit for bit. The same checkpoint
-    loads in one process at stage 0 (states are DTensors of the whole model's shapes) and
-    continues like the one-process run."""
-    ref_records = reference[0]
+def test_zero3_checkpoint_resumes_exactly(tmp_path):
+    """dp2 at zero 3: stop at 3, resume: the same losses bit for bit (sharded parameters
+    and optimizer states come back exactly where they were)."""
     ck = str(tmp_path / "ck")
     z3 = ["--zero-stage", "3"]
     full_path, full = run_args(tmp_path, "full", [], z3)
@@ -228,9 +226,4 @@ def test_zero3_checkpoint_resumes_exactly_and_loads_on_one_process(reference, tm
     want, got = train_losses(read_jsonl(full_path)), train_losses(read_jsonl(second_path))
     assert sorted(got) == list(range(4, 11))
     assert all(got[it] == want[it] for it in got), (got, want)
-    one_path, one = run_args(tmp_path, "one", [], ["--load", ck])
-    assert main_rc(0, 1, one) == 0
-    one_losses, ref = train_losses(read_jsonl(one_path)), train_losses(ref_records)
-    assert sorted(one_losses) == list(range(4, 11))
-    for it in one_losses:
-        assert one_losses[it] == pytest.approx(ref[it], rel=1e-5), it
+    # Loading on other grids: tests/parallel/test_checkpoint_grids.py.

@@ -96,3 +96,14 @@ def test_a_different_tokenizer_of_the_same_size_is_refused():
     with pytest.raises(CheckpointError, match="another tokenizer than --tokenizer-model t"):
         check_meta("ck", saved, {"model": shape, "tokenizer": {
             "sha256": "b" * 64, "flag": "--tokenizer-model t"}})
+
+
+def test_signal_handler_is_on_by_default_under_slurm(monkeypatch):
+    from helpers import TINY
+    from megaulysses.config import parse_args
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert not parse_args(TINY).train.exit_signal_handler
+    assert parse_args(TINY + ["--exit-signal-handler"]).train.exit_signal_handler
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert parse_args(TINY).train.exit_signal_handler
+    assert not parse_args(TINY + ["--no-exit-signal-handler"]).train.exit_signal_handler
