@@ -3,8 +3,13 @@ model states (N = dp * sp).
 
 Parity follows test_parity.py: the tiny Llama-style GQA model, 10 fp32 steps of 8 samples,
 per-step losses and eval losses within 1e-5 relative, final parameters within 5e-5
-absolute. Each grid runs stages 1, 2 and 3 one after the other in the same ranks (one
-spawn per grid, three Trainers).
+absolute. Each grid runs stages 0, 1, 2 and 3 one after the other in the same ranks (one
+spawn per grid, four Trainers).
+
+Checkpoints: stage 3 saves in the background at iteration 3; dp2 resumes from it bit for
+bit, and the one saved at tp2 x sp2 x dp2 loads at 1 process, at sp4 with ZeRO-1, at tp2
+and at pp2 and goes on like the one-process run (the issue's reload-on-another-grid
+check).
 
 Memory is asserted from the tensors each rank holds (`Zero.held_bytes`), right after the
 optimizer step, against P = the bytes of this rank's whole parameters (its tensor-parallel
@@ -71,10 +76,30 @@ def grid_args(tmp_path, flags) -> list:
     return TINY + STEPS + list(flags) + ["--data-cache-path", str(tmp_path / "cache")]
 
 
-def run_stages(tmp_path, world, flags, stages=STAGES):
+def run_stages(tmp_path, world, flags, stages=STAGES, extra=None):
+    """`extra`: more flags for some stages, {stage: flags}."""
     paths = [str(tmp_path / f"zero{z}.jsonl") for z in stages]
-    runs = [(["--zero-stage", str(z)], p) for z, p in zip(stages, paths)]
+    runs = [(["--zero-stage", str(z)] + (extra or {}).get(z, []), p)
+            for z, p in zip(stages, paths)]
     return paths, run_ranks(train_runs, world, grid_args(tmp_path, flags), runs)
+
+
+@pytest.fixture(scope="module")
+def grid_runs(tmp_path_factory):
+    """`grid_runs(world, flags)` -> (stage-3 checkpoint dir, paths, results): stages 0-3
+    of a grid in one spawn, run once per module. Stage 3 also saves in the background
+    every 3 iterations: the checkpoint tests at the end load its iteration 3."""
+    cache = {}
+
+    def get(world, flags):
+        key = (world, tuple(flags))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("grid")
+            ck = str(tmp / "ck")
+            save = ["--save", ck, "--save-interval", "3", "--async-save"]
+            cache[key] = (ck, *run_stages(tmp, world, flags, (0,) + STAGES, {3: save}))
+        return cache[key]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -115,30 +140,35 @@ GRIDS = [(2, []), (4, SP2), (4, ["--ds-sequence-parallel-size", "4"]), (8, TP2 +
 
 
 @pytest.mark.parametrize("world,flags", GRIDS, ids=["dp2", "dp2-sp2", "sp4", "dp2-sp2-tp2"])
-def test_zero_stages_equal_one_process(reference, tmp_path, world, flags):
+def test_zero_stages_equal_one_process(reference, grid_runs, world, flags):
+    """Stages 0 (the plain grid: test_parity's case, run here in the same ranks) to 3;
+    stage 3 saving in the background on the way changes nothing."""
     ref_records, ref_params = reference
-    paths, results = run_stages(tmp_path, world, flags)
+    stages = (0,) + STAGES
+    one = stages.index(1)  # stage 1 holds the whole (tp-local) parameters
+    _, paths, results = grid_runs(world, flags)
     tp = 2 if "--tensor-model-parallel-size" in flags else 1
     sp = int(flags[flags.index("--ds-sequence-parallel-size") + 1]) if flags else 1
     n = world // tp  # dp x sp
     micro = 8 // (2 * (n // sp))  # global batch 8 in micro-batches of 2 per dp rank
     root = 4 * sum(v.size for k, v in ref_params.items() if not k.startswith("layers."))
-    for i, (stage, path) in enumerate(zip(STAGES, paths)):
+    for i, (stage, path) in enumerate(zip(stages, paths)):
         records = read_jsonl(path)
         params = results[0][i][0]
         assert_same_run(records, ref_records, params, ref_params)
         assert_grad_norms(records, ref_records)
+        if stage == 0:
+            continue
         for rank_results in results:
-            whole = rank_results[0][2]  # stage 1 holds the whole (tp-local) parameters
-            assert_memory(stage, rank_results[i][1], whole, n, len(ref_params))
+            assert_memory(stage, rank_results[i][1], rank_results[one][2], n, len(ref_params))
         if tp == 1:
             assert_step_bytes(stage, [r for r in records if "loss" in r][-1],
-                              results[0][0][2], root, n, micro)
+                              results[0][one][2], root, n, micro)
     # What stages 2 and 3 differ in is held during a step: stage 2 keeps every parameter
     # gathered through the step, stage 3 the root unit and at most a block at a time.
     peak = {z: max(r["mem_params_bytes"] for r in read_jsonl(p) if "loss" in r)
-            for z, p in zip(STAGES, paths)}
-    whole = results[0][0][2]
+            for z, p in zip(stages, paths)}
+    whole = results[0][one][2]
     block = max(_block_bytes(ref_params).values()) // tp
     assert peak[2] >= whole + whole / n, peak
     assert peak[3] <= HEADROOM * whole / n + root // tp + block < peak[2], peak
@@ -207,23 +237,62 @@ def test_bf16_with_fp32_and_bf16_gradient_reduction(tmp_path):
     assert last["z3-fp32"]["comm_bytes_all_gather"] < whole  # m (root + 2 blocks) / 2 / 2
 
 
-def main_rc(rank, world, args):
-    import pretrain_gpt
-    return pretrain_gpt.main(args)
+def train_each(rank, world, runs):
+    """One Trainer per argument list of `runs`, one after the other in these ranks."""
+    from megaulysses.config import parse_args
+    from megaulysses.training.trainer import Trainer
+    for args in runs:
+        Trainer(parse_args(args)).train()
 
 
-def test_zero3_checkpoint_resumes_exactly(tmp_path):
-    """dp2 at zero 3: stop at 3, resume: the same losses bit for bit (sharded parameters
-    and optimizer states come back exactly where they were)."""
-    ck = str(tmp_path / "ck")
-    z3 = ["--zero-stage", "3"]
-    full_path, full = run_args(tmp_path, "full", [], z3)
-    run_ranks(main_rc, 2, full)
-    _, first = run_args(tmp_path, "first", [], z3 + ["--save", ck, "--exit-interval", "3"])
-    assert run_ranks(main_rc, 2, first) == [0, 0]
-    second_path, second = run_args(tmp_path, "second", [], z3 + ["--load", ck])
-    assert run_ranks(main_rc, 2, second) == [0, 0]
-    want, got = train_losses(read_jsonl(full_path)), train_losses(read_jsonl(second_path))
+def test_zero3_checkpoint_resumes_exactly(grid_runs, tmp_path):
+    """dp2 at zero 3, resumed from its iteration-3 checkpoint (saved in the background):
+    iterations 4..10 equal the run that went on, bit for bit (sharded parameters and
+    optimizer states come back exactly where they were)."""
+    ck, paths, _ = grid_runs(2, [])
+    path, args = run_args(tmp_path, "resumed", [], ["--zero-stage", "3", "--load",
+                                                   ck + "/iter_0000003"])
+    run_ranks(train_each, 2, [args])
+    want, got = train_losses(read_jsonl(paths[3])), train_losses(read_jsonl(path))
     assert sorted(got) == list(range(4, 11))
     assert all(got[it] == want[it] for it in got), (got, want)
-    # Loading on other grids: tests/parallel/test_checkpoint_grids.py.
+
+
+def assert_continues(path, ref_records):
+    """Iterations 4..10 (and evaluations) of a run loaded at 3 equal the one-process run
+    within 1e-5 relative: every grid computes the same losses as one process."""
+    got, want = train_losses(read_jsonl(path)), train_losses(ref_records)
+    assert sorted(got) == list(range(4, 11))  # iteration numbers continue
+    for it in got:
+        assert got[it] == pytest.approx(want[it], rel=1e-5), (path, it)
+    evals = {r["iteration"]: r["eval_loss"] for r in read_jsonl(path) if "eval_loss" in r}
+    ref_evals = {r["iteration"]: r["eval_loss"] for r in ref_records if "eval_loss" in r}
+    assert evals == pytest.approx({k: v for k, v in ref_evals.items() if k > 3}, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_8(grid_runs):
+    """The checkpoint tp2 x sp2 x dp2 at ZeRO-3 saved (in the background) at iteration 3."""
+    return grid_runs(8, TP2 + SP2)[0] + "/iter_0000003"
+
+
+def test_grid_checkpoint_loads_on_one_process(reference, saved_8, tmp_path):
+    path, args = run_args(tmp_path, "one", [], ["--load", saved_8])
+    train_each(0, 1, [args])  # in this process
+    assert_continues(path, reference[0])
+
+
+def test_grid_checkpoint_loads_at_sp4_with_zero1(reference, saved_8, tmp_path):
+    path, args = run_args(tmp_path, "sp4", [], ["--ds-sequence-parallel-size", "4",
+                                                "--zero-stage", "1", "--load", saved_8])
+    run_ranks(train_each, 4, [args])
+    assert_continues(path, reference[0])
+
+
+def test_grid_checkpoint_loads_at_tp2_and_at_pp2(reference, saved_8, tmp_path):
+    tp_path, tp_args = run_args(tmp_path, "tp2", [], TP2 + ["--load", saved_8])
+    pp_path, pp_args = run_args(tmp_path, "pp2", [], ["--pipeline-model-parallel-size", "2",
+                                                       "--load", saved_8])
+    run_ranks(train_each, 2, [tp_args, pp_args])
+    assert_continues(tp_path, reference[0])
+    assert_continues(pp_path, reference[0])
