@@ -80,22 +80,21 @@ def assert_same_run(records, ref_records, params=None, ref_params=None):
 
 
 # dp2, sp4 (P % kv heads == 0), dp2 x sp2 and dp2 x tp2 x sp2 of this model run in
-# tests/parallel/test_zero.py, at ZeRO stage 0 next to stages 1-3 in the same ranks.
+# tests/parallel/test_zero.py, at ZeRO stage 0 next to stages 1-3 in the same ranks;
+# tp2 x sp2 also in test_pipeline.py (pp2 x tp2 x sp2).
 GRIDS = [  # (style, world, flags)
     ("llama-gqa", 2, ["--ds-sequence-parallel-size", "2"]),  # sp2: kv heads split
     ("gpt2", 2, ["--ds-sequence-parallel-size", "2"]),
-    ("gpt2", 4, ["--ulysses-degree", "2"]),  # dp2 x sp2, the alias
     ("llama-gqa", 2, TP2),  # one kv head per tensor rank
     ("llama-gqa", 2, TP2 + ["--sequence-parallel"]),  # Megatron-SP, the paper's baseline
-    ("llama-gqa", 4, TP2 + SP2),  # tp2 x sp2: heads split by tp, then by sp
     ("gpt2", 2, TP2 + ["--sequence-parallel"]),  # learned positions, biases, LayerNorm
     ("llama-untied", 4, TP2 + SP2 + ["--sequence-parallel"]),  # vocab-parallel output layer
 ]
 
 
 @pytest.mark.parametrize("style,world,flags", GRIDS,
-                         ids=["sp2", "gpt2-sp2", "gpt2-dp2-sp2", "tp2", "tp2-megatron-sp",
-                              "tp2-sp2", "gpt2-tp2-megatron-sp", "untied-tp2-sp2-megatron-sp"])
+                         ids=["sp2", "gpt2-sp2", "tp2", "tp2-megatron-sp",
+                              "gpt2-tp2-megatron-sp", "untied-tp2-sp2-megatron-sp"])
 def test_grid_equals_one_process(reference, tmp_path, style, world, flags):
     path, args = run_args(tmp_path, "grid", STYLES[style], flags)
     params = run_ranks(train, world, args)[0]
@@ -119,3 +118,8 @@ def test_torchrun_cli_equals_one_process(reference, tmp_path, world, flags):
     assert f"dp {world // 2 // tp} x tp {tp} x pp 1 x sp 2" in proc.stdout
     comm = [r for r in read_jsonl(path) if "loss" in r][-1]
     assert comm["comm_bytes_a2a"] > 0 and comm["comm_bytes_all_reduce"] > 0
+
+
+def test_ulysses_degree_is_an_alias():
+    from megaulysses.config import parse_args
+    assert parse_args(["--ulysses-degree", "2"]).parallel.ds_sequence_parallel_size == 2
