@@ -202,7 +202,8 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError("pretrain_gpt.py", message)
 
 
-def _positive(name):
+def positive_int(name):
+    """argparse type: an integer > 0 (`name` is the flag, for callers' readability)."""
     def check(text):
         try:
             v = int(text)
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names).",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m, d, t, lg = ModelConfig(), DataConfig(), TrainConfig(), LogConfig()
-    pos = _positive
+    pos = positive_int
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=pos("--num-layers"), default=m.num_layers)

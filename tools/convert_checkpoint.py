@@ -89,7 +89,8 @@ try:
 except ImportError:  # run from a checkout without pip install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaulysses.config import CheckpointError, ConfigError, ModelConfig  # noqa: E402
+from megaulysses.config import (CheckpointError, ConfigError, ModelConfig,  # noqa: E402
+                                positive_int)
 
 ARCHES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -769,16 +770,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConvertError("convert_checkpoint.py", message)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="convert_checkpoint.py", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -807,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--save", required=True, help="output --load directory (new or empty)")
     b.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model to train with (default: HF_DIR/tokenizer.model)")
-    b.add_argument("--seq-length", type=_positive, default=None,
+    b.add_argument("--seq-length", type=positive_int("--seq-length"), default=None,
                    help="training sequence length recorded in the checkpoint "
                         "(default: max_position_embeddings)")
     b.add_argument("--force", action="store_true", help="replace a non-empty --save")

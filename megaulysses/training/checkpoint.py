@@ -419,7 +419,6 @@ def _load_dcp(path: str, state_dict: dict, rng_rank: Optional[int]) -> Optional[
 def read_model_checkpoint(path: str) -> tuple[dict, dict]:
     """One process, no grid: (trainer_state.json, {parameter name: whole tensor}) of a
     committed checkpoint saved on any grid. For tools (conversion to Hugging Face)."""
-    from megaulysses.config import ModelConfig
     from megaulysses.model.gpt import GPT
     path = find_checkpoint(path)
     meta = read_meta(path)

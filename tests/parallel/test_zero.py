@@ -25,9 +25,7 @@ m = micro-batches per rank, G = P (fp32 gradients), each sent (N-1)/N times:
              forward and again for its backward, the root unit (embedding, final norm) once
 """
 
-import numpy as np
 import pytest
-import torch
 
 from dist import run_ranks
 from helpers import TINY, read_jsonl, train_losses

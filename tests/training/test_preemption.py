@@ -7,6 +7,7 @@ through its write leaves the previous checkpoint loadable.
 """
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -51,7 +52,6 @@ def logged_iteration(path) -> int:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return 0
-    import json
     done = [json.loads(line)["iteration"] for line in lines[:-1] if line]  # last may be cut
     return max(done, default=0)
 

@@ -4,9 +4,8 @@ import math
 import os
 
 import pytest
-import torch
 
-from helpers import read_jsonl, run_inprocess, train_losses
+from helpers import run_inprocess, train_losses
 
 
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
