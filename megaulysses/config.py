@@ -29,6 +29,8 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class ConfigError(ValueError):
@@ -184,12 +186,24 @@ class ParallelConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Activation memory: recomputation (Megatron-LM's flags) and tiling."""
+    recompute_granularity: Optional[str] = None  # None | full | selective
+    recompute_method: Optional[str] = None  # full only: uniform | block (default uniform)
+    recompute_num_layers: Optional[int] = None  # full only: layers per group / recomputed
+    tiled_mlp_chunks: int = 1  # the MLP over the local sequence in N chunks, recomputed
+    dry_run: bool = False  # validate, print the memory plan, exit 0 without training
+    dry_run_world_size: Optional[int] = None  # the grid's world for --dry-run on one process
+
+
+@dataclass
 class Config:
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
     log: LogConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -345,6 +359,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype in which gradients are summed over the data x sequence-"
                         "parallel ranks")
 
+    g = p.add_argument_group("activation memory (recomputation, tiling) and the memory plan")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: recompute whole transformer blocks in backward (only their "
+                        "inputs are kept; the forward all-to-alls run again); selective: "
+                        "recompute only the attention core (between the all-to-alls)")
+    g.add_argument("--recompute-activations", dest="recompute_granularity",
+                   action="store_const", const="selective",
+                   help="= --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="with --recompute-granularity full: uniform checkpoints groups of "
+                        "--recompute-num-layers consecutive layers; block checkpoints the "
+                        "first --recompute-num-layers layers of each pipeline stage and "
+                        "keeps the rest's activations (default uniform)")
+    g.add_argument("--recompute-num-layers", type=pos("--recompute-num-layers"), default=None,
+                   help="with --recompute-granularity full: see --recompute-method "
+                        "(default 1)")
+    g.add_argument("--tiled-mlp-chunks", type=pos("--tiled-mlp-chunks"), default=1,
+                   help="run each MLP over the local sequence in this many chunks, "
+                        "recomputed in backward: its [tokens, ffn] intermediates exist for "
+                        "one chunk at a time")
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate every flag, build the model on the meta device, print "
+                        "the per-rank memory plan and communication bytes, exit 0 without "
+                        "allocating the model or training")
+    g.add_argument("--dry-run-world-size", type=pos("--dry-run-world-size"), default=None,
+                   help="with --dry-run on one process: the number of ranks of the grid to "
+                        "plan for (default: WORLD_SIZE, or 1)")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
     g.add_argument("--tensorboard-dir", default=None)
@@ -367,7 +409,7 @@ def parse_args(argv=None) -> Config:
         ns.num_query_groups = 1  # Megatron's default: multi-query attention
     cfg = Config(model=_pick(ModelConfig, ns), data=_pick(DataConfig, ns),
                  train=_pick(TrainConfig, ns), log=_pick(LogConfig, ns),
-                 parallel=_pick(ParallelConfig, ns))
+                 parallel=_pick(ParallelConfig, ns), memory=_pick(MemoryConfig, ns))
     validate(cfg)
     return cfg
 
@@ -383,7 +425,8 @@ def validate(cfg: Config):
     _validate_train(cfg.train, cfg.model)
     _validate_data(cfg.data)
     _validate_pipeline(cfg.parallel)
-    pipeline_layout(cfg.model.num_layers, cfg.parallel)  # raises on a split that does not fit
+    layout = pipeline_layout(cfg.model.num_layers, cfg.parallel)  # raises if it does not fit
+    _validate_memory(cfg.memory, layout)
 
 
 def _validate_model(m: ModelConfig):
@@ -464,6 +507,26 @@ def _validate_pipeline(par: ParallelConfig):
     _require(not (uneven and vl), "--decoder-first-pipeline-num-layers",
              "uneven stage splits cannot be combined with "
              "--num-layers-per-virtual-pipeline-stage")
+
+
+def _validate_memory(mem: MemoryConfig, layout: list[list[int]]):
+    """Recompute flags (Megatron-LM's rules). The tiled MLP's rule needs the grid: it is
+    checked in ParallelDims.validate."""
+    _require(mem.dry_run_world_size is None or mem.dry_run, "--dry-run-world-size",
+             "needs --dry-run")
+    full = mem.recompute_granularity == "full"
+    for flag, value in (("--recompute-method", mem.recompute_method),
+                        ("--recompute-num-layers", mem.recompute_num_layers)):
+        _require(value is None or full, flag, "needs --recompute-granularity full "
+                 f"(got {mem.recompute_granularity or 'no recomputation'})")
+    if not full:
+        return
+    mem.recompute_method = mem.recompute_method or "uniform"
+    mem.recompute_num_layers = mem.recompute_num_layers or 1
+    fewest = min(len(stage) for stage in layout if stage)
+    _require(mem.recompute_num_layers <= fewest, "--recompute-num-layers",
+             f"{mem.recompute_num_layers} is more than the {fewest} layers of a pipeline "
+             "stage (it counts layers per stage)")
 
 
 def pipeline_layout(num_layers: int, par: ParallelConfig) -> list[list[int]]:

@@ -67,8 +67,12 @@ class Block(nn.Module):
     def forward(self, x, rotary, position_ids):  # [b, s, h]
         a = self.attn(self.attn_norm(x), rotary, position_ids)
         x = x + F.dropout(a, self.dropout, self.training)
-        m = self.mlp(self.mlp_norm(x))
-        return x + F.dropout(m, self.dropout, self.training)
+        return x + F.dropout(self.mlp_part(x), self.dropout, self.training)
+
+    def mlp_part(self, x):  # [b, s, h] -> [b, s, h]
+        """Norm and MLP: per token, so the tiled MLP transform may run it on chunks of the
+        sequence (it replaces this method on the instance)."""
+        return self.mlp(self.mlp_norm(x))
 
 
 class Embedding(nn.Module):

@@ -42,7 +42,8 @@ class ParallelDims:
         return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
 
     def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int,
-                 sequence_parallel: bool = False, pipeline_schedule: str = "1f1b"):
+                 sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
+                 tiled_mlp_chunks: int = 1):
         """Rules that depend on the grid and the model together (one message each)."""
         sp_flag, tp_flag = "--ds-sequence-parallel-size", "--tensor-model-parallel-size"
         for size, flag in ((m.ffn_size, "--ffn-hidden-size"),
@@ -67,6 +68,11 @@ class ParallelDims:
         if m.seq_length % self.sp:
             raise ConfigError(sp_flag, f"--seq-length {m.seq_length} must be divisible by "
                               f"sp = {self.sp}")
+        local = m.seq_length // self.sp // (self.tp if sequence_parallel else 1)
+        if tiled_mlp_chunks > local or local % tiled_mlp_chunks:
+            raise ConfigError("--tiled-mlp-chunks", f"{tiled_mlp_chunks} must divide the "
+                              f"local sequence of {local} tokens (--seq-length / sp"
+                              f"{' / tp under --sequence-parallel' if sequence_parallel else ''})")
         if global_batch_size % (micro_batch_size * self.dp):
             raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
                               f"by --micro-batch-size * dp = {micro_batch_size}*{self.dp}")
