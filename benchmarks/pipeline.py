@@ -50,10 +50,11 @@ from _common import launch, table  # noqa: E402
 
 from megaulysses.config import ModelConfig, ParallelConfig, pipeline_layout  # noqa: E402
 from megaulysses.model.attention import select_backend  # noqa: E402
-from megaulysses.model.gpt import build_model  # noqa: E402
+from megaulysses.model.gpt import GPT, build_model  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
-from megaulysses.parallel.dims import ParallelDims  # noqa: E402
-from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages  # noqa: E402
+from megaulysses.parallel.dims import PP, ParallelDims  # noqa: E402
+from megaulysses.parallel.pipeline import (Pipeline, keep_stages, local_stages,  # noqa: E402
+                                           stage_modules)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
@@ -166,18 +167,22 @@ def _instrument(stage, busy: list):
 
 def build_pipeline(args, comm: Comm, schedule: str):
     cfg = model_config(args)
-    pp = comm.size("pp")
+    pp = comm.size(PP)
     virtual = 2 if schedule == "interleaved-1f1b" else None
     par = ParallelConfig(pipeline_model_parallel_size=pp, pipeline_schedule=schedule,
                          num_layers_per_virtual_pipeline_stage=(
                              args.layers // (2 * pp) if virtual else None))
     layout = pipeline_layout(cfg.num_layers, par)
-    stages = local_stages(len(layout), pp, comm.rank("pp"))
+    stages = local_stages(len(layout), pp, comm.rank(PP))
     _, core = select_backend("auto", torch.device("cpu"))
-    model = build_model(cfg, core, args.seed, keep=lambda m: keep_stages(m, layout, stages))
+    with torch.device("meta"):
+        model = keep_stages(GPT(cfg, core), layout, stages)
+        modules = stage_modules(model, layout, stages)
+    model.to_empty(device="cpu")
+    model.init_weights(args.seed)
     shape = (args.micro_batch, args.seq, args.seq, args.hidden)
     return model, Pipeline(model, comm, layout, schedule, args.micro_batches, shape,
-                           torch.device("cpu")), len(layout) // pp
+                           torch.device("cpu"), modules), len(layout) // pp
 
 
 def run_schedule(args, comm: Comm, schedule: str, batches) -> dict:

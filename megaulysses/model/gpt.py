@@ -153,28 +153,34 @@ class GPT(nn.Module):
         return self.head.loss(x, labels, tied)
 
     @torch.no_grad()
-    def init_weights(self, seed: int):
+    def init_weights(self, seed: int, write=None):
         """Initial values from (seed, parameter name, shape) only: equal on every grid.
 
-        Megatron's scheme: normal(0, std) for weights, std/sqrt(2*layers) for the two
-        output projections of each block, zero biases, unit norm weights.
+        `write(param, value)` puts the whole `value` into `param`; a sharded parameter
+        (tensor parallel, ZeRO-3) keeps only its own piece, so a rank holds one whole
+        parameter at a time. Default: copy it all (a plain, whole model).
         """
-        std = self.cfg.init_method_std
-        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        write = write or (lambda p, value: p.copy_(value))
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                value = torch.ones(p.shape)
-            elif name.endswith(".bias"):
-                value = torch.zeros(p.shape)
-            else:
-                sigma = out_std if name.endswith(("attn.out.weight", "mlp.fc2.weight")) else std
-                value = torch.normal(0.0, sigma, tuple(p.shape), generator=_generator(seed, name))
-            p.copy_(value)
+            write(p, initial_value(self.cfg, seed, name, tuple(p.shape)).to(p.dtype))
         if self.rope_cos is not None:
             cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_positions,
                                      self.cfg.rotary_base, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+
+def initial_value(cfg: ModelConfig, seed: int, name: str, shape: tuple) -> torch.Tensor:
+    """Megatron's scheme, on the CPU: normal(0, std) for weights, std/sqrt(2*layers) for the
+    two output projections of each block, zero biases, unit norm weights."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = cfg.init_method_std
+    if name.endswith(("attn.out.weight", "mlp.fc2.weight")):
+        std = std / math.sqrt(2.0 * cfg.num_layers)
+    return torch.normal(0.0, std, shape, generator=_generator(seed, name))
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -183,16 +189,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def build_model(cfg: ModelConfig, core: AttentionCore, seed: int,
-                device: torch.device = torch.device("cpu"), keep=None) -> GPT:
-    """Build on the meta device (no memory), materialize on `device`, initialize.
-
-    `keep(model)`, if given, drops the parts this rank does not hold (a pipeline stage)
-    while the model is still on meta, so only the kept parameters take memory.
-    """
+                device: torch.device = torch.device("cpu")) -> GPT:
+    """A whole, single-device model: built on the meta device (no memory), materialized on
+    `device`, initialized. (On a grid, parallel.parallelize builds it instead.)"""
     with torch.device("meta"):
         model = GPT(cfg, core)
-    if keep is not None:
-        keep(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model

@@ -17,6 +17,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megaulysses.config import ConfigError, ModelConfig
 
+# The mesh dimension names: every group is named by one of these, and only here are they
+# spelled out.
+PP, DP, SP, TP = "pp", "dp", "sp", "tp"
+DP_SP = "dp_sp"  # dp x sp flattened: the ranks that see different tokens of one model
+MESH_DIMS = (PP, DP, SP, TP)  # slowest- to fastest-varying
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -92,11 +98,11 @@ class ParallelDims:
                               f"of pp = {self.pp}")
 
     def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
-        """{"world": the 4-D mesh, "pp"/"dp"/"sp"/"tp": its 1-D slices, "dp_sp": flattened}."""
+        """{"world": the 4-D mesh, PP/DP/SP/TP: its 1-D slices, DP_SP: dp x sp flattened}."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
-                                mesh_dim_names=("pp", "dp", "sp", "tp"))
-        meshes = {name: mesh[name] for name in ("pp", "dp", "sp", "tp")}
-        meshes["dp_sp"] = mesh["dp", "sp"]._flatten("dp_sp")  # kept: slicing it is deprecated
+                                mesh_dim_names=MESH_DIMS)
+        meshes = {name: mesh[name] for name in MESH_DIMS}
+        meshes[DP_SP] = mesh[DP, SP]._flatten(DP_SP)  # kept: slicing it is deprecated
         meshes["world"] = mesh
         return meshes
 

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble)
 
 from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import DP, PP, SP, TP
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -114,20 +115,28 @@ class _Stage(PipelineStage):
                                           last_backward=last_backward)
 
 
+def stage_modules(model, layout: list[list[int]], stage_ids: list[int]) -> list[StageModule]:
+    """This rank's stages as modules (views over `model`), before anything is materialized:
+    under ZeRO-2/3 each is an FSDP root, sharded while still on the meta device."""
+    last = len(layout) - 1
+    return [StageModule(model, layout[s], s == 0, s == last) for s in stage_ids]
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them over the micro-batches of a step.
 
+    `modules`: `stage_modules(model, layout, local_stages(...))`, materialized.
     `micro_shape`: (micro-batch size, local tokens per sample = seq / sp, local tokens
     between blocks = seq / sp, or seq / (sp * tp) under Megatron-SP, hidden size).
     """
 
     def __init__(self, model, comm: Comm, layout: list[list[int]], schedule: str,
-                 n_micro: int, micro_shape: tuple, device: torch.device, wrap_stage=None):
-        pp, rank = comm.size("pp"), comm.rank("pp")
+                 n_micro: int, micro_shape: tuple, device: torch.device, modules: list):
+        pp, rank = comm.size(PP), comm.rank(PP)
         self.model, self.comm, self.n_micro, self.schedule_name = model, comm, n_micro, schedule
         self.stage_ids = local_stages(len(layout), pp, rank)
-        self.stages = [self._stage(model, layout, s, micro_shape, device, wrap_stage)
-                       for s in self.stage_ids]
+        self.stages = [self._stage(module, s, len(layout), micro_shape, device)
+                       for module, s in zip(modules, self.stage_ids)]
         cls = SCHEDULES[schedule]
         self.schedule = cls(self.stages[0] if schedule in SINGLE_STAGE else self.stages,
                             n_micro, loss_fn=self._loss, scale_grads=False)
@@ -143,19 +152,16 @@ class Pipeline:
         self._sums: list = []
         self._grad_scale = 1.0
 
-    def _stage(self, model, layout, s: int, micro_shape: tuple, device, wrap_stage):
+    def _stage(self, module, s: int, num_stages: int, micro_shape: tuple, device):
         b, s_tok, s_hid, h = micro_shape
-        first, last = s == 0, s == len(layout) - 1
+        first, last = s == 0, s == num_stages - 1
         # Shapes given up front ("static" stages): no shape-inference pass at the first step.
         hidden = dict(device="meta", requires_grad=True)  # their gradients travel back
         inputs = (torch.empty(b, s_tok, dtype=torch.long, device="meta") if first
                   else torch.empty(b, s_hid, h, **hidden))
         outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
-        module = StageModule(model, layout[s], first, last)
-        if wrap_stage is not None:  # ZeRO-2/3: the stage is an FSDP root (torch's contract)
-            wrap_stage(module)
-        return _Stage(module, s, len(layout), device, input_args=inputs, output_args=outputs,
-                      group=self.comm.group("pp"), comm=self.comm)
+        return _Stage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
+                      group=self.comm.group(PP), comm=self.comm)
 
     def _loss(self, losses, mask):  # per-token losses [b, s/sp] fp32, loss mask [b, s/sp]
         micro = (losses * mask).sum()
@@ -201,14 +207,14 @@ class Pipeline:
         ZeRO rows: both stages cut the embedding alike)."""
         if self.tied_peer is None:
             return
-        self.comm.pair_sum(grad_of(self.model.embed.word.weight), "pp", self.tied_peer)
+        self.comm.pair_sum(grad_of(self.model.embed.word.weight), PP, self.tied_peer)
 
 
 def full_state_dict(model, comm: Comm):
     """The whole model's state dict on global rank 0 (None elsewhere), from any grid:
     tensor-parallel shards gathered (every rank takes part), pipeline stages collected
     from the stages' first (dp = sp = tp = 0) ranks. Costs a full copy on rank 0."""
-    lead = all(comm.rank(d) == 0 for d in ("dp", "sp", "tp"))
+    lead = all(comm.rank(d) == 0 for d in (DP, SP, TP))
     state = {}
     for name, t in model.state_dict().items():
         whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over tp
@@ -216,7 +222,7 @@ def full_state_dict(model, comm: Comm):
             state[name] = whole.detach().cpu()
     if not lead:
         return None
-    parts = comm.gather_object(state, "pp")  # stage order; the tied copy twice, equal
+    parts = comm.gather_object(state, PP)  # stage order; the tied copy twice, equal
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}

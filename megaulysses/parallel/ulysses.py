@@ -23,12 +23,13 @@ import torch
 
 from megaulysses.model.attention import AttentionCore
 from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import SP
 
 
 class UlyssesAttention:
     """A drop-in attention core: `(q, k, v, dropout_p) -> out` on sequence shards."""
 
-    def __init__(self, core: AttentionCore, comm: Comm, dim: str = "sp"):
+    def __init__(self, core: AttentionCore, comm: Comm, dim: str = SP):
         self.core, self.comm, self.dim = core, comm, dim
         self.P = comm.size(dim)
 
@@ -51,7 +52,7 @@ def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
     return heads * b * S * d * element_size * (P - 1) // (P * P)
 
 
-def apply_ulysses(model, comm: Comm, dim: str = "sp"):
+def apply_ulysses(model, comm: Comm, dim: str = SP):
     """Swap every block's attention core for the Ulysses wrapper (in place)."""
     if comm.size(dim) == 1:
         return model
@@ -61,7 +62,7 @@ def apply_ulysses(model, comm: Comm, dim: str = "sp"):
     return model
 
 
-def slice_sequence(t: torch.Tensor, comm: Comm, dim: str = "sp") -> torch.Tensor:
+def slice_sequence(t: torch.Tensor, comm: Comm, dim: str = SP) -> torch.Tensor:
     """This rank's contiguous slice of dim 1 (the sequence) of a `[b, S, ...]` tensor."""
     P, r = comm.size(dim), comm.rank(dim)
     if P == 1:

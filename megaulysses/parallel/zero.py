@@ -42,8 +42,10 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from megaulysses.parallel.comm import Comm, GradReducer, RowShard, _local
+from megaulysses.parallel.dims import DP_SP, TP
+from megaulysses.parallel.grad_norm import GradPart
 
-DIM = "dp_sp"
+DIM = DP_SP
 
 # FSDP2 warns when a wrapped module returns a view (the GPT's per-token losses are one):
 # an in-place op on it would skip FSDP's pre-backward hook. Nothing modifies them in place.
@@ -289,10 +291,9 @@ class Zero:
         return _local(p.grad)
 
     def grad_parts(self, excluded=()) -> list:
-        from megaulysses.training.optim import GradPart
         skip = {id(p) for p in excluded}
         sharded = (DIM,) if self.stage >= 1 and self.comm.size(DIM) > 1 else ()
-        return [GradPart(self.grad_of(p), sharded + (("tp",) if _tp_sharded(p) else ()),
+        return [GradPart(self.grad_of(p), sharded + ((TP,) if _tp_sharded(p) else ()),
                          id(p) not in skip)
                 for p in self.params if self._has_grad(p)]
 
@@ -369,4 +370,4 @@ def _tp_sharded(p) -> bool:
         return False
     names = p.device_mesh.mesh_dim_names or ()
     return any(pl.is_shard() or isinstance(pl, _StridedShard)
-               for name, pl in zip(names, p.placements) if name == "tp")
+               for name, pl in zip(names, p.placements) if name == TP)

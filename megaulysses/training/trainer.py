@@ -26,20 +26,18 @@ from megaulysses.data.build import build_datasets, load_tokenizer
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.model.attention import sdpa_attention, select_backend
 from megaulysses.model.generate import sample
-from megaulysses.model.gpt import build_model, count_parameters, parameter_count
-from megaulysses.parallel import zero as zero_mod
+from megaulysses.model.gpt import GPT, build_model, count_parameters, parameter_count
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dims import ParallelDims, init_distributed
-from megaulysses.parallel.pipeline import Pipeline, full_state_dict, keep_stages, local_stages
-from megaulysses.parallel.tensor import (apply_tensor_parallel, align_grads,
-                                         step_context as tp_step_context)
-from megaulysses.parallel.ulysses import apply_ulysses
+from megaulysses.parallel.dims import DP, DP_SP, PP, SP, ParallelDims, init_distributed
+from megaulysses.parallel.grad_norm import unscale_and_clip
+from megaulysses.parallel.parallelize import parallelize
+from megaulysses.parallel.pipeline import Pipeline, full_state_dict
+from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
-from megaulysses.training.optim import (LossScaler, LRSchedule, adamw, param_groups, set_lr,
-                                        unscale_and_clip)
+from megaulysses.training.optim import LossScaler, LRSchedule, adamw, param_groups, set_lr
 from megaulysses.training.stop import StopConditions
 
 log = logging.getLogger(__name__)
@@ -68,9 +66,9 @@ def _on(b: dict, device) -> dict:
     return {k: v.to(device) for k, v in b.items()}
 
 
-def global_sum(comm: Comm, value: float, device, dims=("dp_sp",)) -> float:
+def global_sum(comm: Comm, value: float, device, dims=(DP_SP,)) -> float:
     """Sum of a per-rank number over the ranks that see different tokens (dp x sp), and
-    over "pp" for numbers only the last pipeline stage knows (losses)."""
+    over PP for numbers only the last pipeline stage knows (losses)."""
     t = torch.tensor(value, dtype=torch.float64, device=device)
     for dim in dims:
         comm.all_reduce_sum(t, dim)
@@ -91,7 +89,7 @@ def train_step(model, batches, zero: Zero, scaler: LossScaler, clip_grad: float,
             with autocast(device, dtype):
                 loss_sum = pipeline.step([_on(b, device) for b in batches], scaler.scale / denom)
         norm, skipped = _finish_grads_and_step(zero, scaler, clip_grad, comm, pipeline)
-    loss = global_sum(comm, loss_sum, device, ("dp_sp", "pp")) / denom
+    loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / denom
     return StepResult(loss, norm, skipped, int(tokens))
 
 
@@ -140,7 +138,7 @@ def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device
                           else sum(_eval_micro(model, b) for b in batches))
             count += sum(float(b["loss_mask"].sum()) for b in batches)
         model.train()
-        total = global_sum(comm, total, device, ("dp_sp", "pp"))
+        total = global_sum(comm, total, device, (DP_SP, PP))
         return total / max(global_sum(comm, count, device), 1.0)
 
 
@@ -169,25 +167,22 @@ class Trainer:
         self.dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
                                             pp=par.pipeline_model_parallel_size,
                                             sp=par.ds_sequence_parallel_size)
-        self.sequence_parallel = par.sequence_parallel and self.dims.tp > 1  # as Megatron
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
         self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
-                           self.sequence_parallel, par.pipeline_schedule)
+                           par.sequence_parallel and self.dims.tp > 1, par.pipeline_schedule,
+                           cfg.memory.tiled_mlp_chunks)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
         name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
-        self.layout = pipeline_layout(cfg.model.num_layers, par) if self.dims.pp > 1 else None
-        keep = None
-        if self.layout is not None:
-            stages = local_stages(len(self.layout), self.dims.pp, self.comm.rank("pp"))
-            keep = lambda m: keep_stages(m, self.layout, stages)  # noqa: E731
-        self.model = build_model(cfg.model, core, t.seed, self.device, keep=keep)
-        self.zero_stage = par.zero_stage if self.comm.size("dp_sp") > 1 else 0
-        self._parallelize()
-        self.model.train()
-        self.pipeline = self._build_pipeline() if self.layout is not None else None
-        self.zero = self._build_zero()
+        with torch.device("meta"):
+            model = GPT(cfg.model, core)
+        built = parallelize(model, self.dims, self.comm, cfg, self.device, self.dtype,
+                            lambda m: param_groups(m, t.weight_decay),
+                            lambda groups: adamw(groups, t))
+        self.model, self.pipeline, self.zero = built.model, built.pipeline, built.zero
+        self.zero_stage, self.layout = built.zero_stage, built.layout
+        self.sequence_parallel = built.sequence_parallel
         self.optimizer = self.zero.optimizer
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
@@ -196,53 +191,6 @@ class Trainer:
         self._log_model(name)
         if t.load:
             self._load(t.load)
-
-    def _parallelize(self):
-        """The transforms, in order: tensor parallel, Ulysses around the attention cores,
-        then ZeRO-2/3 (FSDP2 over dp x sp, on top of the tensor-parallel shards; under pp
-        the root units are the pipeline stages, wrapped when the pipeline is built)."""
-        if self.dims.tp > 1:
-            apply_tensor_parallel(self.model, self.comm.mesh("tp"), self.sequence_parallel)
-        apply_ulysses(self.model, self.comm)
-        if self.zero_stage >= 2:
-            zero_mod.shard_blocks(self.model, self.comm, self.zero_stage,
-                                  self._mixed_precision(), pipeline=self.layout is not None)
-            if self.layout is None:
-                zero_mod.shard_root(self.model, self.comm, self._mixed_precision())
-
-    def _mixed_precision(self):
-        return zero_mod.mixed_precision(self.dtype, self._reduce_dtype())
-
-    def _reduce_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.parallel.grad_reduce_dtype == "bf16" else torch.float32
-
-    def _build_pipeline(self) -> Pipeline:
-        m, t, d = self.cfg.model, self.cfg.train, self.dims
-        s_tok = m.seq_length // d.sp  # this rank's tokens of a sample
-        s_hid = s_tok // d.tp if self.sequence_parallel else s_tok  # between blocks
-        wrap = None
-        if self.zero_stage >= 2:
-            wrap = lambda module: zero_mod.shard_root(module, self.comm,  # noqa: E731
-                                                      self._mixed_precision())
-        return Pipeline(self.model, self.comm, self.layout, self.cfg.parallel.pipeline_schedule,
-                        self.train_data.num_micro, (t.micro_batch_size, s_tok, s_hid,
-                                                    m.hidden_size), self.device, wrap)
-
-    def _build_zero(self) -> Zero:
-        """Gradient reduction over dp x sp and the optimizer, at the ZeRO stage asked for."""
-        t = self.cfg.train
-        roots = ([self.model] if self.pipeline is None
-                 else [stage.submod for stage in self.pipeline.stages])
-        align = None
-        if self.dims.tp > 1:
-            tp_mesh = self.comm.mesh("tp")
-            align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
-        zero = Zero(self.model, self.comm, self.zero_stage, param_groups(self.model,
-                    t.weight_decay), lambda groups: adamw(groups, t), self._reduce_dtype(),
-                    roots if self.zero_stage >= 2 else [], align)
-        if self.pipeline is not None:
-            self.pipeline.overlap_grad_reduction(zero.before_last_backward)
-        return zero
 
     def _build_data(self):
         """Rank 0 builds (and caches) the sample indices first; the others then load them."""
@@ -256,8 +204,8 @@ class Trainer:
             self.comm.barrier()
             splits = build_datasets(cfg, self.tokenizer.vocab_size)
         make = lambda ds: ds and BatchBuilder(
-            ds, t.micro_batch_size, t.global_batch_size, dp_rank=self.comm.rank("dp"),
-            dp_size=self.dims.dp, sp_rank=self.comm.rank("sp"), sp_size=self.dims.sp,
+            ds, t.micro_batch_size, t.global_batch_size, dp_rank=self.comm.rank(DP),
+            dp_size=self.dims.dp, sp_rank=self.comm.rank(SP), sp_size=self.dims.sp,
             eod=self.tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss)
         self.train_data, self.valid_data, self.test_data = (make(ds) for ds in splits)
 
@@ -276,6 +224,13 @@ class Trainer:
                  d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if
                  self.sequence_parallel else "")
         self._log_zero()
+        mem = self.cfg.memory
+        recompute = {None: "off", "selective": "selective (the attention core)",
+                     "full": f"full ({mem.recompute_method}, {mem.recompute_num_layers} "
+                             f"layer{'s' if mem.recompute_num_layers != 1 else ''})"}
+        log.info("memory: recomputation %s; MLP %s", recompute[mem.recompute_granularity],
+                 f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
+                 else "not tiled")
         if self.pipeline is not None:
             log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
                      "rank), layers per stage %s; the first stage holds %.2fM parameters",
@@ -284,7 +239,7 @@ class Trainer:
                      count_parameters(self.model) / 1e6)
 
     def _log_zero(self):
-        asked, n = self.cfg.parallel.zero_stage, self.comm.size("dp_sp")
+        asked, n = self.cfg.parallel.zero_stage, self.comm.size(DP_SP)
         if asked and not self.zero_stage:
             log.info("zero: --zero-stage %d has nothing to shard over (dp x sp = 1): stage 0",
                      asked)

@@ -92,18 +92,23 @@ def pp2_p2p_bytes(flags, dp: int, b=2, s=32, h=64, vocab=4096) -> int:
     return sends * micro * b * (s // sp) * h * 4 + vocab // tp * h * 4
 
 
+FULL = ["--recompute-granularity", "full"]
+# Recomputation is exact: some grids run with it, against the one process without it.
 GRIDS = [  # (style, world, flags)
-    ("llama", 2, PP2),
+    ("llama", 2, PP2 + FULL + ["--recompute-num-layers", "2"]),  # each stage one group
     ("llama", 4, PP2),  # dp2: each rank 2 micro-batches; gradients reduced after
     ("llama", 4, PP2 + TP2),
-    ("gpt2", 4, PP2 + SP2),  # learned positions (first stage only), biases, LayerNorm
+    ("gpt2", 4, PP2 + SP2 + ["--recompute-activations"]),  # learned positions (first stage
+    # only), biases, LayerNorm; the attention core recomputed between the all-to-alls
     ("llama", 2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),  # interleaved
-    ("llama", 2, PP2 + ["--pipeline-schedule", "zero-bubble"]),
+    ("llama", 2, PP2 + ["--pipeline-schedule", "zero-bubble"] + FULL + [
+        "--recompute-method", "block"]),  # backward in two passes (inputs, then weights)
     ("llama", 2, PP2 + ["--pipeline-schedule", "gpipe", "--decoder-first-pipeline-num-layers",
                         "1"]),  # uneven: 1 + 3
     ("untied", 4, PP2 + TP2 + ["--sequence-parallel"]),  # output layer on the last stage
 ]
-IDS = ["pp2", "pp2-dp2", "pp2-tp2", "gpt2-pp2-sp2", "pp2-interleaved", "pp2-zero-bubble",
+IDS = ["pp2-full", "pp2-dp2", "pp2-tp2", "gpt2-pp2-sp2-selective", "pp2-interleaved",
+       "pp2-zero-bubble-full-block",
        "pp2-gpipe-uneven", "untied-pp2-tp2-megatron-sp"]
 
 

@@ -10,8 +10,12 @@ from megaulysses.config import ModelConfig, TrainConfig
 from megaulysses.model.attention import math_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.training.metrics import flops_per_iteration
-from megaulysses.training.optim import (LossScaler, LRSchedule, grad_parts, param_groups,
-                                        unscale_and_clip)
+from megaulysses.parallel.grad_norm import GradPart, unscale_and_clip
+from megaulysses.training.optim import LossScaler, LRSchedule, param_groups
+
+
+def grad_parts(params) -> list:
+    return [GradPart(p.grad) for p in params if p.grad is not None]
 
 
 def schedule(**kw):

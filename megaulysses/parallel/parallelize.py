@@ -1,0 +1,138 @@
+"""The parallelization recipe: one function turns a GPT built on the meta device into this
+rank's part of the grid, ready to train.
+
+The transforms, always in this order (each module's docstring says what its step does):
+
+    1. pipeline split   pipeline.keep_stages: drop what this rank's stages do not use, and
+                        make the stage modules (pp > 1)
+    2. tensor parallel  tensor.apply_tensor_parallel: DTensor shards over tp, with Megatron
+                        sequence parallelism inside tp when asked (tp > 1)
+    3. Ulysses          ulysses.apply_ulysses: every attention core between two
+                        all-to-alls over sp (sp > 1)
+    4. recomputation    recompute.apply_recompute (--recompute-*), then
+                        tiling.apply_tiled_mlp (--tiled-mlp-chunks)
+    5. ZeRO-2/3         zero.shard_blocks, zero.shard_root: FSDP2 over dp x sp, per block
+                        and per root (the model, or each pipeline stage)
+    6. materialize      to_empty: a rank allocates its own shards only
+    7. initialize       each parameter from (seed, name, whole shape), one whole parameter at
+                        a time, of which the rank keeps its piece
+
+The pipeline split comes first so that nothing of another stage is ever sharded or
+allocated; tensor parallelism before ZeRO, which shards the tp shards over dp x sp (2-D);
+Ulysses wraps the attention core and selective recomputation wraps the core inside it, so
+the all-to-alls are not repeated; everything is decided on the meta device, so
+materializing allocates shards only, and initializing writes each rank's pieces of the
+values one whole model would get (every grid starts from the same model).
+
+Then the pipeline schedule is built over the stages (pp > 1), and `Zero` (gradient
+reduction over dp x sp and the optimizer at the ZeRO stage in effect).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from megaulysses.config import Config, pipeline_layout
+from megaulysses.parallel import zero as zero_mod
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import DP_SP, PP, TP, ParallelDims
+from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
+from megaulysses.parallel.recompute import apply_recompute
+from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel
+from megaulysses.parallel.ulysses import apply_ulysses
+from megaulysses.parallel.zero import Zero
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module  # this rank's GPT: only its parts, sharded, initialized, in train mode
+    pipeline: Optional[Pipeline]  # pp > 1
+    zero: Zero  # gradient reduction over dp x sp and the optimizer
+    zero_stage: int  # the stage in effect: 0 when dp x sp is one rank
+    layout: Optional[list]  # layer ids of each pipeline stage (pp > 1)
+    sequence_parallel: bool  # Megatron-SP in effect (asked for, and tp > 1)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
+                device: torch.device, dtype: torch.dtype,
+                param_groups: Callable[[nn.Module], list[dict]],
+                make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Parallelized:
+    """`model`: the whole GPT on the meta device. `param_groups(model)` and
+    `make_optimizer(groups)` build the optimizer (ZeRO-1 runs it on row shards)."""
+    par, mem = cfg.parallel, cfg.memory
+    sequence_parallel = par.sequence_parallel and dims.tp > 1
+    zero_stage = par.zero_stage if comm.size(DP_SP) > 1 else 0
+    layout = pipeline_layout(cfg.model.num_layers, par) if dims.pp > 1 else None
+    stages = []
+    if layout is not None:  # 1
+        ids = local_stages(len(layout), dims.pp, comm.rank(PP))
+        keep_stages(model, layout, ids)
+        stages = stage_modules(model, layout, ids)
+    if dims.tp > 1:  # 2
+        apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
+    apply_ulysses(model, comm)  # 3
+    apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
+                    mem.recompute_num_layers)
+    if mem.tiled_mlp_chunks > 1:  # TEMP lazy until tiling.py lands
+        from megaulysses.model.tiling import apply_tiled_mlp
+        apply_tiled_mlp(model, mem.tiled_mlp_chunks)
+    reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+    if zero_stage >= 2:  # 5
+        mp = zero_mod.mixed_precision(dtype, reduce_dtype)
+        zero_mod.shard_blocks(model, comm, zero_stage, mp, pipeline=layout is not None)
+        for root in stages or [model]:
+            zero_mod.shard_root(root, comm, mp)
+    model.to_empty(device=device)  # 6
+    model.init_weights(cfg.train.seed, write=write_piece)  # 7
+    model.train()
+    pipeline = None
+    if layout is not None:
+        pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, _micro_batches(cfg, dims),
+                            _micro_shape(cfg, dims, sequence_parallel), device, stages)
+    zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
+                       param_groups(model), make_optimizer)
+    return Parallelized(model, pipeline, zero, zero_stage, layout, sequence_parallel)
+
+
+@torch.no_grad()
+def write_piece(param: torch.Tensor, value: torch.Tensor):
+    """Put this rank's piece of the whole `value` into `param` (a DTensor keeps its shard:
+    cut locally, nothing is sent)."""
+    value = value.to(param.device)
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(value)
+
+
+def _micro_batches(cfg: Config, dims: ParallelDims) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * dims.dp)
+
+
+def _micro_shape(cfg: Config, dims: ParallelDims, sequence_parallel: bool) -> tuple:
+    """(micro-batch, local tokens of a sample, local tokens between blocks, hidden)."""
+    m = cfg.model
+    s_tok = m.seq_length // dims.sp
+    s_hid = s_tok // dims.tp if sequence_parallel else s_tok
+    return cfg.train.micro_batch_size, s_tok, s_hid, m.hidden_size
+
+
+def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
+                groups: list[dict], make_optimizer) -> Zero:
+    roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
+    align = None
+    if comm.size(TP) > 1:
+        tp_mesh = comm.mesh(TP)
+        align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
+    zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,
+                roots if stage >= 2 else [], align)
+    if pipeline is not None:
+        pipeline.overlap_grad_reduction(zero.before_last_backward)
+    return zero

@@ -1,0 +1,87 @@
+"""Activation recomputation, Megatron-LM's flags, as a transform of the GPT.
+
+    --recompute-granularity selective   (= --recompute-activations) the attention core
+        alone is recomputed in backward. Under Ulysses it is the core *between* the two
+        all-to-alls, so nothing is sent again: backward keeps q, k, v and the output of
+        each core instead of what the core itself saves (the softmax probabilities on
+        the CPU block kernel, b*h/P*S^2/2 values; flash-style kernels save only O(S)).
+    --recompute-granularity full        whole blocks are recomputed: backward keeps only
+        the input of each checkpointed group of blocks, and reruns their forward,
+        collectives included: Ulysses' two forward all-to-alls per layer (q, k, v and the
+        output: half of the layer's all-to-all bytes, so a step sends 1.5x), and under
+        tensor parallelism the forward all-reduces (or Megatron-SP's all-gathers and
+        reduce-scatters). `comm.stats` counts these repeats like any other bytes.
+        --recompute-method uniform: the layers of each pipeline stage in groups of
+            --recompute-num-layers, each group one checkpoint (only its input kept);
+        --recompute-method block: the first --recompute-num-layers layers of each stage
+            checkpointed one by one, the rest keep their activations.
+
+torch.utils.checkpoint (non-reentrant) restores the RNG before recomputing, so dropout
+draws the same masks and the results are identical to a run without recomputation.
+ZeRO-3 (FSDP2) composes: a recomputed block's parameters are already gathered for its
+backward, and FSDP's hooks skip themselves during the recomputation (no extra all-gather;
+with groups of several blocks, the earlier blocks of a group are gathered once more).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megaulysses.parallel.ulysses import UlyssesAttention
+
+
+def apply_recompute(model, granularity: Optional[str], method: Optional[str] = None,
+                    num_layers: Optional[int] = None):
+    """Make backward recompute what `granularity` says (None: nothing). In place."""
+    if granularity == "selective":
+        for block in model.layers.values():
+            holder = block.attn.core if isinstance(block.attn.core, UlyssesAttention) \
+                else block.attn
+            holder.core = RecomputedCore(holder.core)
+    elif granularity == "full":
+        # The GPT's own loop over layers, replaced on this instance (pipeline stages call it
+        # with their layers): the groups are cut from whatever layers one call runs.
+        model.run_layers = partial(_run_layers, model, method or "uniform", num_layers or 1)
+    return model
+
+
+class RecomputedCore:
+    """An attention core `(q, k, v, dropout_p) -> out` whose internals backward recomputes:
+    only its inputs are kept."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0):  # [b, S, h/P, d] each
+        if not torch.is_grad_enabled():
+            return self.core(q, k, v, dropout_p)
+        return checkpoint(self.core, q, k, v, dropout_p, use_reentrant=False)
+
+
+def layer_groups(n: int, method: str, num_layers: int) -> list[tuple[int, int, bool]]:
+    """[(first, end, recomputed)] covering layers 0..n-1 of one stage, in order."""
+    if method == "uniform":
+        return [(a, min(a + num_layers, n), True) for a in range(0, n, num_layers)]
+    k = min(num_layers, n)  # block: the first k one by one, the rest as they are
+    return [(a, a + 1, True) for a in range(k)] + ([(k, n, False)] if k < n else [])
+
+
+def _run_layers(model, method: str, num_layers: int, x, position_ids, layers):
+    layers = list(layers)
+    rotary = (model.rope_cos, model.rope_sin)
+
+    def run(first: int, end: int, h, pos):  # [b, s, h] -> [b, s, h]
+        for layer in layers[first:end]:
+            h = layer(h, rotary, pos)
+        return h
+
+    for first, end, recomputed in layer_groups(len(layers), method, num_layers):
+        if recomputed and torch.is_grad_enabled():
+            x = checkpoint(run, first, end, x, position_ids, use_reentrant=False)
+        else:
+            x = run(first, end, x, position_ids)
+    return x
