@@ -3,16 +3,22 @@
 PyTorch formulation up to fp32 rounding; tests/model/test_fused_ops.py checks each one.
 
     linear                 fp32 matmuls on CPU through oneDNN instead of MKL (2x on AMD CPUs)
-    linear_cross_entropy   output layer + per-token cross entropy by chunks of tokens: no
-                           [tokens, vocab] log-probabilities, gradient or zero-filled buffers
+    linear_cross_entropy   output layer + per-token cross entropy by chunks of tokens,
+                           recomputed in backward: never more than one chunk of
+                           [tokens, vocab] logits or gradient, in any dtype; also
+                           vocab-parallel (vocab_parallel_linear_cross_entropy)
     block_causal_attention explicit causal attention by query blocks, skipping the masked
                            half (faster than SDPA's CPU kernel for moderate lengths)
     rms_norm               RMSNorm with a hand-written backward (autograd's has ~2x the passes)
 
-Anything else (CUDA, 16-bit, tensor subclasses) takes the plain PyTorch op.
+Otherwise (CUDA, 16-bit, tensor subclasses) linear, block_causal_attention and rms_norm
+take the plain PyTorch op; the cross entropy runs chunked everywhere.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -98,98 +104,169 @@ def _matmul_t(a, b):
 
 
 def _rows_per_chunk(rows: int, vocab: int, device: torch.device) -> int:
-    # CPU: a chunk of ~16 MiB of fp32 logits stays in the last-level cache for the passes
-    # after its matmul, and is recycled by malloc rather than faulted in afresh each step.
+    # CPU: a chunk of ~32 MiB of fp32 logits, recycled by malloc rather than faulted in
+    # afresh each step. The bundled default (2048 tokens x 4096 vocab per micro-batch) is
+    # then one chunk, whose probabilities are kept instead of recomputed (see below).
     # CUDA: the caching allocator makes size irrelevant; chunks only bound peak memory.
-    budget = 2 ** 22 if device.type == "cpu" else 2 ** 28  # elements
+    budget = 2 ** 23 if device.type == "cpu" else 2 ** 28  # elements
     return max(1, min(rows, budget // vocab))
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """The output layer is split by vocabulary rows over the `dim` group of `comm`: this
+    rank holds rows [start, start + V/P). `reduce_dx`: all-reduce the input gradient (the
+    sum of every shard's part) inside; False when the caller's all-gather of the input
+    reduces it in its own backward."""
+
+    comm: Any  # parallel.comm.Comm; not imported: this module imports nothing distributed
+    dim: str
+    start: int
+    reduce_dx: bool
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """losses[i] = logsumexp(x[i] @ W.T) - (x[i] @ W.T)[labels[i]], by chunks of rows.
 
-    The [T, V] logits never exist at once: each chunk's logits are turned into
-    exp(logits - max) in place and kept for backward, where they become the logits gradient
-    (softmax - one_hot) * grad in place, then feed the two matmuls.
+    Nothing of size [T, V] is kept: forward saves x, W, the labels and each row's max and
+    sum of exp(logit - max) (fp32 [T] each); backward recomputes a chunk's exps, turns them
+    in place into d loss / d logits = (exps / sum - one_hot) * grad and feeds them to the two
+    matmuls. So at most one chunk of logits (or of their gradient) exists at a time, and
+    backward may run any number of times (the zero-bubble schedule runs it twice), each
+    time with the same result. When all rows fit in one chunk, that chunk's exps are kept
+    for the first backward instead: recomputing costs ~1/3 of the op (+35% measured on the
+    default model's 2048 x 4096 logits, 2 cores).
+
+    Vocab-parallel (`shard` given, W this rank's vocabulary rows): per chunk the row max is
+    all-reduced (MAX), then the sums of exp and the target logits (only the rank holding a
+    label picks it; the others add 0) in one all-reduce (SUM). Backward is local but for
+    dx, a partial sum over the shards.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, labels, ignore_index: int):  # x [T, h], weight [V, h]
-        rows = _rows_per_chunk(x.shape[0], weight.shape[0], x.device)
-        valid = labels != ignore_index  # [T]
-        target = torch.where(valid, labels, 0).unsqueeze(1)  # [T, 1]; ignored rows: any id
-        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # [T]
-        exps, sums = [], []
-        for i in range(0, x.shape[0], rows):
-            logits = _matmul_t(x[i:i + rows], weight).float()  # [c, V]
-            # log-sum-exp by hand, in place: torch.logsumexp would allocate a [c, V] temporary
-            top = logits.amax(dim=1, keepdim=True)  # [c, 1]
-            picked = logits.gather(1, target[i:i + rows])  # [c, 1]
-            e = logits.sub_(top).exp_()  # [c, V], exp(logits - top) in the logits' memory
-            total = e.sum(dim=1, keepdim=True)  # [c, 1]
-            torch.sub(total.log().add_(top), picked, out=losses[i:i + rows].unsqueeze(1))
-            exps.append(e)
-            sums.append(total)
+    def forward(ctx, x, weight, labels, ignore_index: int, shard: Optional[_VocabShard]):
+        # x [T, h], weight [V, h] (V/P rows when vocab-parallel), labels [T]
+        n = x.shape[0]
+        rows = _rows_per_chunk(n, weight.shape[0], x.device)
+        target, owned, valid = _targets(labels, ignore_index, weight.shape[0], shard)
+        tops = torch.empty(n, dtype=torch.float32, device=x.device)  # [T] row maxima
+        sums = torch.empty_like(tops)  # [T] sums of exp(logits - top)
+        losses = torch.empty_like(tops)  # [T]
+        # Outside saved_tensors: the first backward consumes it in place, later ones recompute.
+        ctx.kept = []
+        for i in range(0, n, rows):
+            c = slice(i, i + rows)
+            logits = _matmul_t(x[c], weight).float()  # [c, V]
+            top = logits.amax(dim=1)  # [c]
+            picked = logits.gather(1, target[c]).squeeze(1).masked_fill_(~owned[c], 0.0)
+            if shard is not None:
+                shard.comm.all_reduce_max(top, shard.dim)
+            # exp in the logits' memory: torch.logsumexp would allocate a [c, V] temporary
+            exps = logits.sub_(top.unsqueeze(1)).exp_()  # [c, V]
+            stats = torch.stack((exps.sum(dim=1), picked))  # [2, c]: one collective for both
+            if shard is not None:
+                shard.comm.all_reduce_sum(stats, shard.dim)
+            if n <= rows and any(ctx.needs_input_grad[:2]):
+                ctx.kept.append(exps)  # [T, V]: bitwise what backward would recompute
+            tops[c], sums[c] = top, stats[0]
+            torch.sub(stats[0].log().add_(top), stats[1], out=losses[c])  # lse - picked
         losses.masked_fill_(~valid, 0.0)
-        # softmax = e / sum(e): backward folds the division into its scaling by the gradient.
-        ctx.save_for_backward(x, weight, target, valid, torch.cat(sums), *exps)
-        ctx.rows, ctx.grad_seen = rows, None
+        ctx.save_for_backward(x, weight, target, owned, valid, tops, sums)
+        ctx.rows, ctx.shard = rows, shard
         return losses
 
     @staticmethod
     def backward(ctx, grad):  # grad [T]
-        if ctx.grad_seen is None:  # turn the saved exps into d loss / d logits, in place
-            x, weight, target, valid, sums, *exps = ctx.saved_tensors
-            _dlogits_in_place(exps, grad, target, valid, sums, ctx.rows)
-            # Kept outside saved_tensors, whose version check now refuses the exps: a second
-            # backward (retain_graph; the zero-bubble schedule runs one for the inputs, one
-            # for the weights) reuses them. Inputs only, no reference cycle.
-            ctx.grad_seen, ctx.kept = grad.detach().clone(), (x, weight, exps)
-        elif not torch.equal(grad, ctx.grad_seen):
-            raise RuntimeError("linear_cross_entropy: a second backward with a different "
-                               "gradient is not supported (saved logits are consumed)")
-        x, weight, exps = ctx.kept
+        x, weight, target, owned, valid, tops, sums = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        dxs, dwt = [], None  # dx by chunks of rows; dw.T [h, V] summed over chunks
-        for n, e in enumerate(exps):
-            i = n * ctx.rows
-            dlogits = e.to(x.dtype)  # [c, V]; a no-op in fp32
+        shard = ctx.shard
+        g = (grad.float() * valid).unsqueeze(1)  # [T, 1]; ignored rows get no gradient
+        scale = g / sums.unsqueeze(1)  # [T, 1]: softmax = exps / sum, folded into the scaling
+        minus_g = -g * owned.unsqueeze(1)  # [T, 1]: the one-hot term, where the label is held
+        dx = torch.empty_like(x) if need_dx else None  # [T, h]
+        # dW.T [h, V] summed over chunks, in fp32 whatever the matmul dtype. (dW.T because
+        # then the operand to make contiguous is x.T, the small one; see _onednn_weight_grad.)
+        dwt = x.new_zeros(weight.shape[::-1], dtype=torch.float32) if need_dw else None
+        for i in range(0, x.shape[0], ctx.rows):
+            c = slice(i, i + ctx.rows)
+            exps = ctx.kept.pop() if ctx.kept else _exps(x[c], weight, tops[c])  # [c, V]
+            # (softmax - one_hot) * grad, in place
+            dlogits = exps.mul_(scale[c]).scatter_add_(1, target[c], minus_g[c]).to(x.dtype)
             if need_dx:
-                dxs.append(_matmul_t(dlogits, weight.t()))  # dlogits @ W: [c, h]
+                dx[c] = _matmul_t(dlogits, weight.t())  # dlogits @ W: [c, h]
             if need_dw:
-                # x.T @ dlogits: [h, V]. (dw.T because then the operand to make contiguous
-                # is x.T, the small one; see _onednn_weight_grad.)
-                dwi = _matmul_t(x[i:i + ctx.rows].t().contiguous(), dlogits.t())
-                dwt = dwi if dwt is None else dwt.add_(dwi)
-        dx = torch.cat(dxs) if need_dx else None
-        dw = dwt.t().contiguous() if need_dw else None
-        return dx, dw, None, None
+                dwt.add_(_matmul_t(x[c].t().contiguous(), dlogits.t()))  # x.T @ dlogits
+        if need_dx and shard is not None and shard.reduce_dx:
+            shard.comm.all_reduce_sum(dx, shard.dim)  # every shard's part of dlogits @ W
+        dw = dwt.t().to(weight.dtype).contiguous() if need_dw else None
+        return dx, dw, None, None, None
 
 
-def _dlogits_in_place(exps, grad, target, valid, sums, rows: int):
-    """exp(logits - max) chunks -> (softmax - one_hot(label)) * grad, in place."""
-    g = (grad * valid).unsqueeze(1)  # [T, 1] fp32; ignored rows get no gradient
-    scale = g / sums  # [T, 1]
-    for n, e in enumerate(exps):
-        i = n * rows
-        e.mul_(scale[i:i + rows]).scatter_add_(1, target[i:i + rows], -g[i:i + rows])
+def _exps(x, weight, top):  # x [c, h], weight [V, h], top [c] -> fp32 [c, V]
+    """A chunk's exp(logits - row max), recomputed as forward computed it, in place."""
+    return _matmul_t(x, weight).float().sub_(top.unsqueeze(1)).exp_()
 
 
-def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):
+def _targets(labels, ignore_index: int, vocab: int, shard: Optional[_VocabShard]):
+    """Per row `[T]`: the label's column in this rank's logits (`[T, 1]`, 0 where it holds
+    none), whether this rank holds the label, whether the row counts at all."""
+    valid = labels != ignore_index
+    if shard is None:  # an out-of-range label fails in gather, as in F.cross_entropy
+        owned, local = valid, labels
+    else:
+        local = labels - shard.start
+        owned = valid & (local >= 0) & (local < vocab)
+    return torch.where(owned, local, 0).unsqueeze(1), owned, valid
+
+
+def _autocast_operands(x, weight):
+    """x and weight in the autocast dtype if autocast is on (as F.linear would cast them)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight
+
+
+def _apply_linear_cross_entropy(x, weight, labels, ignore_index: int, shard):
+    with torch.autocast(x.device.type, enabled=False):  # the op picks its own dtypes
+        losses = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight,
+                                           labels.reshape(-1), ignore_index, shard)
+    return losses.view(labels.shape)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = -100) -> torch.Tensor:
     """Per-token `F.cross_entropy(F.linear(x, weight).float(), labels, reduction="none")`.
 
     x `[..., h]`, weight `[V, h]`, labels `[...]` -> fp32 losses `[...]`; label
     `ignore_index` gives loss 0 and no gradient, as in F.cross_entropy. Under autocast the
     matmuls run in the autocast dtype (as F.linear would), the softmax always in fp32.
     """
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-    with torch.autocast(device, enabled=False):
-        losses = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight,
-                                           labels.reshape(-1), ignore_index)
-    return losses.view(labels.shape)
+    x, weight = _autocast_operands(x, weight)
+    return _apply_linear_cross_entropy(x, weight, labels, ignore_index, None)
+
+
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
+                                        labels: torch.Tensor, comm, dim: str,
+                                        gather_dim: Optional[int] = None,
+                                        ignore_index: int = -100) -> torch.Tensor:
+    """`linear_cross_entropy` with the output layer split by vocabulary over the `dim`
+    group of `comm` (a `parallel.comm.Comm`): no rank holds more than one chunk of
+    `[tokens, V/P]` logits.
+
+    weight `[V/P, h]`: rank r's rows [r V/P, (r+1) V/P) (a Shard(0) DTensor's local part).
+    x `[..., h]`: the same on every rank of the group; or, with `gather_dim`, this rank's
+    shard of it along `gather_dim` (Megatron-SP: its sequence slice), all-gathered here
+    (whose backward reduce-scatters the input gradient). labels `[...]`: those of the whole
+    (gathered) x. Returns fp32 losses `[...]`, equal on every rank of the group.
+    """
+    x, weight = _autocast_operands(x, weight)  # before the gather: 16-bit on the wire
+    if gather_dim is not None:
+        x = comm.all_gather(x, dim, gather_dim)
+    shard = _VocabShard(comm, dim, comm.rank(dim) * weight.shape[0],
+                        reduce_dx=gather_dim is None)
+    return _apply_linear_cross_entropy(x, weight, labels, ignore_index, shard)
 
 
 # ------------------------------------------------------------------------------------------

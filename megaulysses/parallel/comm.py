@@ -102,6 +102,15 @@ class Comm:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
 
+    def all_reduce_max(self, tensor: torch.Tensor, dim: str):
+        """In place: the elementwise max over the `dim` group (the vocab-parallel cross
+        entropy's row maxima). Counted as an all-reduce."""
+        p = self.size(dim)
+        if p == 1:
+            return
+        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
+
     def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int):
         """In place: `tensor` + the same tensor of rank `peer` of the `dim` group (which
         calls this with us as its peer). Both end with bitwise equal sums: a + b == b + a.

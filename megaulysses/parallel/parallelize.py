@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megaulysses.config import Config, pipeline_layout
+from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, PP, TP, ParallelDims
@@ -78,9 +79,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
     apply_ulysses(model, comm)  # 3
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
                     mem.recompute_num_layers)
-    if mem.tiled_mlp_chunks > 1:  # TEMP lazy until tiling.py lands
-        from megaulysses.model.tiling import apply_tiled_mlp
-        apply_tiled_mlp(model, mem.tiled_mlp_chunks)
+    apply_tiled_mlp(model, mem.tiled_mlp_chunks)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     if zero_stage >= 2:  # 5
         mp = zero_mod.mixed_precision(dtype, reduce_dtype)

@@ -3,8 +3,10 @@
 Per block: q, k, v, fc1 (and gate) are column-parallel (each rank computes its heads or its
 slice of the MLP), out and fc2 row-parallel (partial sums, all-reduced). The embedding is
 vocab-parallel (rows split; each rank looks up its own ids, the sum is all-reduced). The
-output layer is vocab-parallel too, and the cross entropy runs under `loss_parallel`, so no
-rank ever holds full-vocabulary logits.
+output layer is vocab-parallel too, and its loss is
+`fused.vocab_parallel_linear_cross_entropy`: by chunks of tokens, recomputed in backward, so
+no rank ever holds full-vocabulary logits, nor more than one chunk of its own
+`[tokens, V/tp]` logits or their gradient.
 
 `sequence_parallel=True` is Megatron's sequence parallelism inside the tp group (the
 paper's baseline): between blocks the residual stream is split along the sequence
@@ -18,18 +20,27 @@ The model itself is unchanged: parameters become DTensors, `model.head` is swapp
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel,
-                                               parallelize_module)
+                                               SequenceParallel, parallelize_module)
+
+from megaulysses.model.fused import vocab_parallel_linear_cross_entropy
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import TP
 
 
-def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
-    """Shard `model` in place over the 1-D `tp_mesh`. No-op for a mesh of one rank."""
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False,
+                          comm: Optional[Comm] = None):
+    """Shard `model` in place over the 1-D `tp_mesh`. No-op for a mesh of one rank.
+
+    `comm`: the loss's collectives over TP go through it (and are counted in its stats);
+    None: a Comm of the head's own over `tp_mesh`."""
     if tp_mesh.size() == 1:
         return model
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -44,7 +55,8 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
             parallelize_module(model.embed, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=seq))
     if model.head is not None:
-        model.head = VocabParallelHead(model.head, tp_mesh, seq)
+        model.head = VocabParallelHead(model.head, tp_mesh, seq,
+                                       comm if comm is not None else Comm({TP: tp_mesh}))
     return model
 
 
@@ -71,12 +83,13 @@ class VocabParallelHead(nn.Module):
     """The model's Head (final norm + output layer) with vocab-sharded logits.
 
     forward -> logits as a DTensor sharded on the vocabulary; loss -> per-token losses
-    `[b, s]` (plain, replicated on the tp ranks) from `loss_parallel` cross entropy.
+    `[b, s]` (plain, replicated on the tp ranks) from the chunked vocab-parallel cross
+    entropy over `comm`'s TP group, which must be `tp_mesh`'s.
     """
 
-    def __init__(self, head, tp_mesh, seq_layout):
+    def __init__(self, head, tp_mesh, seq_layout, comm: Comm):
         super().__init__()
-        self.mesh, self.seq = tp_mesh, seq_layout
+        self.mesh, self.seq, self.comm = tp_mesh, seq_layout, comm
         self.norm = head.norm
         self.output = head.output
         if isinstance(seq_layout, Shard):
@@ -99,13 +112,19 @@ class VocabParallelHead(nn.Module):
         return F.linear(x, tied_weight)  # tied: the vocab-parallel embedding's weight
 
     def loss(self, x, labels, tied_weight=None):  # -> [b, s] fp32
-        """Call inside `step_context()` (forward and backward): loss_parallel's handlers
-        are process-wide and not reentrant, so this does not open a nested one."""
-        logits = self(x, tied_weight)
-        b, s = labels.shape
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                 reduction="none")
-        return losses.to_local().view(b, s)
+        """Per-token losses from local tensors: the normed hidden states (SP: this rank's
+        sequence slice, gathered inside the op) and this rank's vocabulary rows of the
+        weight. `to_local()` is differentiable: the gradients reach the DTensor parameters
+        in their own layouts (the norm's as partial sums under SP, see `align_grads`)."""
+        h = _local(self.norm(x))  # [b, s/tp, h] with SP, else [b, s, h]
+        weight = self.output.weight if self.output is not None else tied_weight
+        gather_dim = 1 if isinstance(self.seq, Shard) else None
+        return vocab_parallel_linear_cross_entropy(h, _local(weight), labels, self.comm,
+                                                   TP, gather_dim)  # [b, s]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: int) -> dict:
@@ -117,13 +136,11 @@ def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: i
 
 
 def step_context(comm):
-    """Forward and backward of a step run inside this. Under tensor parallelism it opens
-    `loss_parallel` (the vocab-parallel cross entropy's backward needs it as much as its
-    forward) and counts DTensor's collectives in `comm.stats`; otherwise it does nothing."""
+    """Forward and backward of a step run inside this. Under tensor parallelism it counts
+    DTensor's collectives in `comm.stats`; otherwise it does nothing."""
     stack = contextlib.ExitStack()
-    if comm.size("tp") > 1:
+    if comm.size(TP) > 1:
         stack.enter_context(comm.counting_dtensor_collectives())
-        stack.enter_context(loss_parallel())
     return stack
 
 

@@ -6,6 +6,9 @@ per-step losses and eval losses within 1e-5 relative, final parameters within 5e
 absolute. Each grid runs stages 0, 1, 2 and 3 one after the other in the same ranks (one
 spawn per grid, four Trainers).
 
+On tp2 x sp2 x dp2 stages 1-3 run with activation recomputation (`RECOMPUTE`), which
+changes nothing a step computes.
+
 Checkpoints: stage 3 saves in the background at iteration 3; dp2 resumes from it bit for
 bit, and the one saved at tp2 x sp2 x dp2 loads at 1 process, at sp4 with ZeRO-1, at tp2
 and at pp2 and goes on like the one-process run (the issue's reload-on-another-grid
@@ -33,6 +36,12 @@ from test_parity import STEPS, assert_same_run, one_process_runs, run_args
 from test_pipeline import assert_grad_norms, assert_tied_identical
 
 STAGES = (1, 2, 3)
+# tp2 x sp2 x dp2 runs its ZeRO stages with recomputation (exact: still equal to the one
+# process without it): selective inside the all-to-alls, full by blocks, full uniform
+# with the MLP tiled in 2 chunks.
+FULL = ["--recompute-granularity", "full"]
+RECOMPUTE = {1: ["--recompute-activations"], 2: FULL + ["--recompute-method", "block"],
+             3: FULL + ["--tiled-mlp-chunks", "2"]}
 TP2, SP2 = ["--tensor-model-parallel-size", "2"], ["--ds-sequence-parallel-size", "2"]
 HEADROOM = 1.1  # the bound on model-state bytes per rank (padding, step counters)
 
@@ -95,7 +104,11 @@ def grid_runs(tmp_path_factory):
             tmp = tmp_path_factory.mktemp("grid")
             ck = str(tmp / "ck")
             save = ["--save", ck, "--save-interval", "3", "--async-save"]
-            cache[key] = (ck, *run_stages(tmp, world, flags, (0,) + STAGES, {3: save}))
+            extra = {1: [], 2: [], 3: save}
+            if world == 8:  # the whole grid: each ZeRO stage with a kind of recomputation
+                for stage, more in RECOMPUTE.items():
+                    extra[stage] = extra[stage] + more
+            cache[key] = (ck, *run_stages(tmp, world, flags, (0,) + STAGES, extra))
         return cache[key]
     return get
 
