@@ -47,6 +47,9 @@ def main(argv=None) -> int:
                      "spells out every flag); outputs in runs/default/")
     try:
         cfg = parse_args(argv)
+        if cfg.memory.dry_run:
+            from megaulysses.training.dry_run import dry_run
+            return dry_run(cfg)
         from megaulysses.training.trainer import Trainer  # heavy imports after flag checks
         trainer = Trainer(cfg)
         result = trainer.train()

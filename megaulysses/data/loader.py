@@ -45,6 +45,8 @@ class BatchBuilder:
         # its contiguous slice, with global positions (rotary needs them).
         n = s // self.sp_size
         keep = slice(self.sp_rank * n, (self.sp_rank + 1) * n)
-        return {"tokens": tokens[:, keep].contiguous(), "labels": labels[:, keep].contiguous(),
-                "loss_mask": loss_mask[:, keep].contiguous(),
-                "position_ids": position_ids[:, keep].contiguous()}
+        # clone, not contiguous: with one sample a slice is already contiguous, and the view
+        # would keep the whole sample's storage alive on every sp rank.
+        return {"tokens": tokens[:, keep].clone(), "labels": labels[:, keep].clone(),
+                "loss_mask": loss_mask[:, keep].clone(),
+                "position_ids": position_ids[:, keep].clone()}

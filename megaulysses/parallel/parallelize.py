@@ -36,6 +36,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.model.tiling import apply_tiled_mlp
@@ -104,10 +106,20 @@ def write_piece(param: torch.Tensor, value: torch.Tensor):
     cut locally, nothing is sent)."""
     value = value.to(param.device)
     if isinstance(param, DTensor):
-        value = distribute_tensor(value, param.device_mesh, param.placements,
-                                  src_data_rank=None).to_local()
+        value = _local_piece(value, param)
         param = param.to_local()
     param.copy_(value)
+
+
+def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's piece of the whole `value`: a view where the layout is plain shards (no
+    second copy of the largest parameter while it is initialized), else cut by DTensor."""
+    if any(isinstance(p, _StridedShard) for p in param.placements):
+        return distribute_tensor(value, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, param.device_mesh,
+                                                          param.placements)
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def _micro_batches(cfg: Config, dims: ParallelDims) -> int:

@@ -357,7 +357,7 @@ def _storage_bytes(t, seen: set) -> int:
     if t is None:
         return 0
     storage = _local(t).untyped_storage()
-    key = storage.data_ptr()
+    key = storage._cdata  # not data_ptr(): 0 for every meta or fake storage
     if storage.nbytes() == 0 or key in seen:
         return 0
     seen.add(key)

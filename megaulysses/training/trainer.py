@@ -30,6 +30,7 @@ from megaulysses.model.gpt import GPT, build_model, count_parameters, parameter_
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP, DP_SP, PP, SP, ParallelDims, init_distributed
 from megaulysses.parallel.grad_norm import unscale_and_clip
+from megaulysses.parallel.memory_plan import format_plan, plan_memory
 from megaulysses.parallel.parallelize import parallelize
 from megaulysses.parallel.pipeline import Pipeline, full_state_dict
 from megaulysses.parallel.tensor import step_context as tp_step_context
@@ -231,6 +232,8 @@ class Trainer:
         log.info("memory: recomputation %s; MLP %s", recompute[mem.recompute_granularity],
                  f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
                  else "not tiled")
+        log.info("%s", format_plan(plan_memory(self.cfg, d, self.comm.rank(PP),
+                                               self.device.type)))
         if self.pipeline is not None:
             log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
                      "rank), layers per stage %s; the first stage holds %.2fM parameters",

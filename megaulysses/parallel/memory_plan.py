@@ -1,0 +1,775 @@
+"""The memory plan: bytes per rank of one pipeline stage, predicted from the config alone.
+
+`plan_memory(cfg, dims, pp_rank)` is arithmetic: no tensor is allocated and no process
+group is needed (the GPT is built on the meta device to list the stage's parameters). It
+describes *this* implementation: what autograd saves in model/gpt.py, layers.py and
+fused.py, what ZeRO (zero.py, comm.GradReducer, FSDP2) and torch's pipeline schedules
+hold, and when. `pretrain_gpt.py --dry-run` prints it for every stage, the trainer logs
+it at start-up, and tests/parallel/test_memory_plan.py holds it to within 10% of the live
+tensor bytes real ranks reach (and its communication bytes to what they send).
+
+Notation, per rank: b micro-batch, S sequence, T = b*S/sp tokens of a micro-batch on this
+rank, T' = T/tp between sublayers under Megatron-SP (else T), h hidden, d head dim, hq and
+hkv the q and kv heads of this tensor-parallel rank (/tp), kv = hkv, or max(hkv, sp) when
+Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes of the compute
+dtype (4; 2 under bf16/fp16 autocast), 4 = fp32: the residual stream, norms, rotary
+tables, softmax statistics and every master parameter, gradient and AdamW state are fp32.
+
+Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
+    attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
+    attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
+                 all-gathered whole one); under autocast each linear's e-byte copy, 3*e*T*h
+    rope         cos and sin gathered by position, for q and for k: 4 * 4*T*d/2
+    core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
+                 k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
+                 (sample, core head) the sum over query blocks of 64 rows of rows*keys,
+                 ~S*(S+64)/2, core heads hq/sp; SDPA / flash: q, k, v, out, e*T*(2hq +
+                 2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout (its
+                 math path): q, k, v + three fp32 S*S per head (probabilities, mask,
+                 dropped); selective: only the core's inputs (the checkpoint), e*T*(hq +
+                 2kv)*d -- everything else is recomputed in backward
+    out input    the out-projection's input, e*T*hq*d (none with SDPA and no Ulysses: SDPA
+                 lays its output out as [b, s, h, d], so that very tensor is saved)
+    mlp norm     as attn norm
+    mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
+    mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
+    dropout      with --hidden-dropout: two fp32 masks, 2 * 4*T'*h
+  --tiled-mlp-chunks N > 1: mlp norm, input and hidden give way to the MLP's input (the
+    residual stream, 4*T'*h) that the per-chunk checkpoints keep.
+  --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
+    block: the first --recompute-num-layers layers of a stage one by one, the rest keep
+    everything.
+Outside the layers, per micro-batch: the last stage keeps the final norm (4*T'*h), the
+loss's input (e*T*h; under autocast also its e-byte copy of the output weight, e*V*h),
+~25 bytes a token of statistics and, when the fused cross entropy has one chunk (T*V <=
+2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a non-last pipeline stage keeps its
+output (4*T'*h) until the micro-batch's backward; the first stage under tp the lookup's
+mask and ids (~9 bytes a token), with dropout the embedding's mask (4*T'*h).
+
+Micro-batches in flight on pipeline rank r: 1f1b min(m, pp - r); gpipe m;
+interleaved-1f1b torch's warm-up + 1 model chunks (a chunk keeps its share of the rank's
+layers); zero-bubble warm-up + 2 (a chunk lives until its weight-gradient pass;
+measured). Later backwards hold as many while forwards remain, and the gradients.
+
+Model states, per rank (rank 0 of dp x sp): P = fp32 bytes of its parameters (its stage,
+its tp shard); ZeRO over N = dp*sp cuts each along dim 0 into ceil(rows/N)-row pieces.
+    parameters  stage 0/1: P; 2/3: the padded piece; + the rotary tables (4*positions*d);
+                + autocast's cached e-byte copies of the blocks' weights (stages 0/1);
+                + FSDP's gathered copies (compute dtype): stage 2 (and 2/3 under pp)
+                everything, stage 3 the root unit (embedding, final norm, output layer)
+                and one block at the loss's backward, two (this one and the prefetched
+                one) during a block's backward
+    gradients   stage 0/1 (and 2/3 under pp) P from a step's first backward on, in place;
+                stage 2/3 the piece, plus a block's unsharded gradients during its
+                backward; the last layer's fresh gradients in a step's first backward
+    optimizer   AdamW's two fp32 moments of the rank's rows + 4 bytes of step per tensor
+    reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
+                all all-reduces end, + P; stage 1: earlier buckets in flight, the last
+                one's gradients, padded pieces and their concatenation; at the step the
+                reduced rows and the all-gather of the updated rows (N pieces); FSDP: a
+                block's reduce-scatter input (padded, reduce dtype) beside its gradients
+    pipeline    torch's receive buffers, one per micro-batch and direction (4*T'*h each);
+                the step's micro-batches (28 bytes a token), twice under pp (concatenated)
+
+The peak is the largest of these moments (the table shows which):
+    head backward        the loss's backward, everything kept alive: its dW^T accumulator
+                         (4*h*V), the input gradient (e*T*h) and the largest of a chunk's
+                         dW product, two chunks of exps (the next recomputed while the
+                         last is still referenced; e+4 bytes each under autocast), the
+                         final e-byte dW
+    mlp backward         the last layer's MLP backward: two e*T*f gradients beyond what it
+                         keeps and the residual stream's gradient; what recomputation
+                         brings back (full: the group's layers in full, while earlier
+                         groups keep their inputs; tiled: one chunk of the MLP); a tied
+                         embedding's gradient waiting for the embedding's own backward
+    core backward        the last layer's attention core backward, the MLP freed: the
+                         core's gradients (block kernel: two 64-row gradient blocks; and
+                         under selective recomputation the core's internals again)
+    block reduce-scatter (stages 2/3) right after the last layer's backward
+    reduction, step      stage 0/1's buckets, stage 1's all-gather (activations freed)
+
+Communication per iteration, bytes this rank sends, comm.py's conventions: Ulysses
+`ulysses_bytes_per_layer` per layer and micro-batch forward, again backward, and again
+for layers full recomputation reruns; tensor parallel: the sublayer outputs all-reduced
+(e bytes) or under Megatron-SP reduce-scattered with the fp32 normed inputs all-gathered
+(`megatron_sp_bytes_per_layer`), backward the same kinds swapped (input gradients fp32),
+recomputation repeating the forward ones but the group's last MLP output (the checkpoint
+stops at fc2's input), a tiled MLP under Megatron-SP gathering its input again; the
+embedding's and the vocab-parallel loss's collectives; ZeRO (tests/parallel/test_zero.py):
+stage 0 all-reduce of P, stage 1 reduce-scatter and all-gather of N padded pieces, stage 2
+m reduce-scatters and one all-gather, stage 3 m reduce-scatters and m (root + 2 x blocks)
+all-gathers (under pp one each); pipeline: activations forward and gradients backward per
+micro-batch and local stage, the tied embedding's gradient between the first and last
+stage; a few fp64 scalars (token count, loss, grad norm).
+
+Not modelled: tensor parallelism with full recomputation *and* a tiled MLP (measured
+1.6-2.3x the plan: torch's nested non-reentrant checkpoints under DTensor hold several
+recomputed copies of the group's attention); forward-time peaks (the explicit `math`
+attention backend's S*S temporaries: ~7% above the plan); backend scratch inside
+collectives and kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megaulysses.config import Config, pipeline_layout
+from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.ulysses import ulysses_bytes_per_layer
+
+MIB = 2 ** 20
+F32 = 4
+BUCKET_BYTES = 25 * 2 ** 20  # comm.GradReducer's default bucket
+CPU_BLOCK_MAX_SEQ = 1024  # model.attention.cpu_attention's limit for the block kernel
+BLOCK_ROWS = 64  # fused.block_causal_attention's query block
+CE_BUDGET = {"cpu": 2 ** 23, "cuda": 2 ** 28}  # fused._rows_per_chunk: elements of logits
+BATCH_BYTES_PER_TOKEN = 3 * 8 + 4  # tokens, labels, positions (int64), loss mask (fp32)
+
+# parallel/tensor.py's plan: these weights are split by rows (dim 0; their biases too),
+# those by columns (dim 1; their biases stay whole); everything else is replicated.
+_COLWISE = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc1.", "mlp.gate.", "head.output.",
+            "embed.word.")
+_ROWWISE = ("attn.out.", "mlp.fc2.")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes one rank of pipeline stage `pp_rank` holds (rank 0 of its dp x sp group)."""
+
+    pp_rank: int
+    zero_stage: int  # in effect (0 when dp x sp is one rank)
+    layers: int  # transformer layers on this rank
+    micro_batches: int  # per step
+    in_flight: int  # micro-batches (model chunks) whose activations are held at once
+    tokens: int  # T: tokens of a micro-batch on this rank
+    param_bytes: int  # parameters and buffers held at the peak moment
+    grad_bytes: int  # gradients held at the peak moment
+    optimizer_bytes: int  # AdamW's states
+    activation_bytes_per_layer: int  # what one layer keeps for one micro-batch
+    activation_bytes: int  # kept for backward at the peak moment, all micro-batches
+    transient_bytes: int  # at the peak: recomputed activations, temporaries, buckets,
+    # the step's batches, the pipeline's receive buffers
+    peak_bytes: int  # the sum of the five above at the largest moment
+    peak_moment: str
+    moments: dict = field(default_factory=dict)  # every moment considered -> its bytes
+    layer_terms: dict = field(default_factory=dict)  # what a layer keeps, by term (full
+    # recomputation: what it holds while recomputed)
+    comm_bytes: dict = field(default_factory=dict)  # collective kind -> bytes/iteration
+
+
+def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
+                device_type: Optional[str] = None) -> MemoryPlan:
+    """The plan of pipeline rank `pp_rank` (`cfg` validated, `cfg.model.vocab_size` set
+    from the tokenizer). `device_type`: where the run would be (None: cuda if available,
+    else cpu, as the trainer picks); it decides the attention kernel and the loss's
+    chunks."""
+    if cfg.model.vocab_size <= 0:
+        raise ValueError("plan_memory needs cfg.model.vocab_size (from the tokenizer)")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = _RankLayout.of(cfg, dims, pp_rank)
+    s = _shape(cfg, dims, device_type)
+    states = _States(_stage_params(cfg, dims, rank), rank.zero_stage, dims.dp * dims.sp,
+                     dims.pp > 1, s, cfg)
+    acts = _Activations(s, cfg, rank)
+    moments = _moments(states, acts, rank, _held_outside_model(s, rank, dims.pp))
+    name = max(moments, key=lambda k: sum(moments[k].values()))
+    peak = moments[name]
+    return MemoryPlan(
+        pp_rank=pp_rank, zero_stage=rank.zero_stage, layers=rank.layers,
+        micro_batches=rank.m, in_flight=rank.in_flight, tokens=s.T,
+        param_bytes=peak["params"], grad_bytes=peak["grads"],
+        optimizer_bytes=peak["optimizer"], activation_bytes_per_layer=acts.per_layer,
+        activation_bytes=peak["activations"], transient_bytes=peak["transient"],
+        peak_bytes=sum(peak.values()), peak_moment=name,
+        moments={k: sum(v.values()) for k, v in moments.items()}, layer_terms=acts.terms,
+        comm_bytes=comm_bytes(cfg, dims, s, states, acts, rank))
+
+
+# -- what this rank runs -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _RankLayout:
+    """The pipeline rank's stages and schedule, the ZeRO stage in effect."""
+
+    ids: tuple  # pipeline stages on this rank
+    stage_layers: tuple  # layers of each
+    first: bool  # holds stage 0 (the embedding)
+    last: bool  # holds the last stage (the head, the loss)
+    m: int  # micro-batches per step
+    in_flight: int  # micro-batches (model chunks) held at the first backward
+    zero_stage: int
+
+    @property
+    def layers(self) -> int:
+        return sum(self.stage_layers)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, cfg: Config, dims: ParallelDims, pp_rank: int) -> "_RankLayout":
+        par, t = cfg.parallel, cfg.train
+        layout = pipeline_layout(cfg.model.num_layers, par)
+        ids = tuple(range(pp_rank, len(layout), dims.pp))
+        m = t.global_batch_size // (t.micro_batch_size * dims.dp)
+        schedule = par.pipeline_schedule if dims.pp > 1 else None
+        return cls(ids=ids, stage_layers=tuple(len(layout[i]) for i in ids), first=0 in ids,
+                   last=len(layout) - 1 in ids, m=m,
+                   in_flight=_in_flight(schedule, dims.pp, pp_rank, m, len(ids)),
+                   zero_stage=par.zero_stage if dims.dp * dims.sp > 1 else 0)
+
+
+def _in_flight(schedule: Optional[str], pp: int, rank: int, m: int, chunks: int) -> int:
+    """Micro-batches (model chunks, with virtual stages) whose activations this rank holds
+    at its first backward (torch.distributed.pipelining's schedules)."""
+    if schedule is None:
+        return 1
+    if schedule == "1f1b":
+        return min(m, pp - rank)
+    if schedule == "gpipe":
+        return m
+    per_round = m // max(1, m // pp)
+    if schedule == "interleaved-1f1b":
+        return min((chunks - 1) * per_round + 2 * (pp - 1 - rank) + 1, m * chunks)
+    # zero-bubble: a chunk's activations live until its weight-gradient pass, one chunk
+    # more than 1F1B holds (measured)
+    return min((chunks - 1) * per_round + (pp - 1 - rank) + 2, m * chunks)
+
+
+# -- shapes ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes this rank's tensors are made of (the module doc's notation)."""
+
+    b: int
+    S: int
+    T: int
+    Tr: int  # T': tokens between sublayers
+    h: int
+    d: int
+    hq: int
+    hkv: int
+    kv: int  # kv heads reaching the core (Ulysses may repeat them)
+    f: int
+    V: int
+    e: int  # bytes of the compute dtype
+    tp: int
+    sp: int
+    mega_sp: bool
+    swiglu: bool
+    rope: bool
+    layernorm: bool
+    hidden_dropout: bool
+    kernel: str  # block | sdpa | sdpa-math | math
+    ce_rows: int  # rows of a cross-entropy chunk
+
+    @property
+    def ce_kept(self) -> bool:
+        """The fused cross entropy keeps its one chunk of exps for backward."""
+        return self.T <= self.ce_rows
+
+    @property
+    def core_heads(self) -> int:
+        return self.hq // self.sp
+
+
+def _shape(cfg: Config, dims: ParallelDims, device_type: str) -> _Shape:
+    m, t = cfg.model, cfg.train
+    tp, sp = dims.tp, dims.sp
+    mega_sp = cfg.parallel.sequence_parallel and tp > 1
+    T = t.micro_batch_size * m.seq_length // sp
+    hkv = m.num_kv_heads // tp
+    V = m.padded_vocab_size // tp
+    return _Shape(b=t.micro_batch_size, S=m.seq_length, T=T, Tr=T // tp if mega_sp else T,
+                  h=m.hidden_size, d=m.head_dim, hq=m.num_attention_heads // tp, hkv=hkv,
+                  kv=max(hkv, sp) if sp > 1 and hkv % sp else hkv, f=m.ffn_size // tp, V=V,
+                  e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, mega_sp=mega_sp,
+                  swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
+                  layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
+                  kernel=_kernel(cfg, device_type),
+                  ce_rows=max(1, min(T, CE_BUDGET.get(device_type, CE_BUDGET["cuda"]) // V)))
+
+
+def _kernel(cfg: Config, device_type: str) -> str:
+    """The attention core `select_backend` and `cpu_attention` run."""
+    m, half = cfg.model, cfg.train.bf16 or cfg.train.fp16
+    if m.attention_backend == "math":
+        return "math"
+    if (device_type == "cpu" and m.attention_backend == "auto" and not half
+            and m.attention_dropout == 0 and m.seq_length <= CPU_BLOCK_MAX_SEQ):
+        return "block"
+    if device_type == "cpu" and m.attention_dropout > 0:
+        return "sdpa-math"  # CPU SDPA has no fused kernel with dropout
+    return "sdpa"  # torch SDPA or flash_attn: both keep the logsumexp only
+
+
+# -- parameters and model states ---------------------------------------------------------------
+
+def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> list[tuple]:
+    """(name, tensor-parallel local shape) of every parameter this pipeline rank holds:
+    the GPT built on the meta device and cut to the rank's stages as parallelize does."""
+    from megaulysses.model.gpt import GPT
+    from megaulysses.parallel.pipeline import keep_stages
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    if dims.pp > 1:
+        keep_stages(model, pipeline_layout(cfg.model.num_layers, cfg.parallel), list(rank.ids))
+    return [(n, _tp_local(n, tuple(p.shape), dims.tp)) for n, p in model.named_parameters()]
+
+
+def _tp_local(name: str, shape: tuple, tp: int) -> tuple:
+    if tp > 1 and any(k in name for k in _COLWISE):
+        return (shape[0] // tp,) + shape[1:]
+    if tp > 1 and any(k in name for k in _ROWWISE) and name.endswith("weight"):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """fp32 bytes of some parameters: whole (tp shards), one rank's ZeRO piece (padded to
+    ceil(rows/N) rows, as FSDP stores and collectives move it), rank 0's actual rows."""
+
+    whole: int
+    piece: int
+    rows: int
+
+    @classmethod
+    def of(cls, shapes: list, n: int) -> "_Sizes":
+        chunk = lambda sh: -(-sh[0] // n)  # noqa: E731
+        return cls(whole=F32 * sum(math.prod(sh) for sh in shapes),
+                   piece=F32 * sum(chunk(sh) * math.prod(sh[1:]) for sh in shapes),
+                   rows=F32 * sum(min(chunk(sh), sh[0]) * math.prod(sh[1:]) for sh in shapes))
+
+
+class _States:
+    """Parameters, gradients and optimizer states of this rank (rank 0 of dp x sp), and
+    the ZeRO working sets, in bytes (the module doc's "Model states")."""
+
+    def __init__(self, params: list, stage: int, n: int, pipeline: bool, s: _Shape,
+                 cfg: Config):
+        self.stage, self.n, self.pipeline = stage, n, pipeline
+        half = cfg.train.bf16 or cfg.train.fp16
+        first_block = next((_block(name) for name, _ in params if _block(name)), None)
+        block = [(name, sh) for name, sh in params if _block(name) == first_block]
+        everything = _Sizes.of([sh for _, sh in params], n)
+        self.local, self.piece = everything.whole, everything.piece
+        self.block = _Sizes.of([sh for _, sh in block], n).whole
+        self.block_mlp = _Sizes.of([sh for name, sh in block if ".mlp." in name], n).whole
+        self.block_padded = n * _Sizes.of([sh for _, sh in block], n).piece
+        root = _Sizes.of([sh for name, sh in params if not _block(name)], n)
+        self.root, self.root_piece = root.whole, root.piece
+        self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
+                                 for _, sh in params])
+        self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
+        rope = F32 * cfg.model.max_positions * cfg.model.head_dim if s.rope else 0
+        self.held_params = (self.piece if stage >= 2 else self.local) + rope
+        # autocast caches e-byte copies of the blocks' linear weights, saved for backward
+        self.cast_copies = (2 * sum(math.prod(sh) for name, sh in params
+                                    if _block(name) and len(sh) == 2)
+                            if half and stage < 2 else 0)
+        self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
+        self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
+
+    @property
+    def fsdp_per_block(self) -> bool:
+        """Stages 2/3 without pp: FSDP gathers and reduce-scatters block by block, every
+        micro-batch; under pp it does so once a step, like stage 0 in between."""
+        return self.stage >= 2 and not self.pipeline
+
+    def grads_accumulated(self) -> int:
+        """Gradients held after a micro-batch's backward, before the step's last one."""
+        return self.piece if self.fsdp_per_block else self.local
+
+    def gathered(self, blocks: int) -> int:
+        """Parameters FSDP holds unsharded (compute dtype): everything (stage 2, and 2/3
+        under pp), or (stage 3) the root unit and `blocks` blocks."""
+        if self.stage < 2:
+            return 0
+        if self.pipeline or self.stage == 2:
+            return self.local * self.gather_e // F32
+        return (self.root + blocks * self.block_padded) * self.gather_e // F32
+
+    def new_grads(self, done: int, later: bool) -> int:
+        """Gradients the last layer's backward has made so far (`done` bytes of its
+        parameters) beyond what is held: fresh in a step's first backward, accumulated in
+        place later; FSDP makes them unsharded in the compute dtype in every backward."""
+        if self.fsdp_per_block:
+            return done * self.gather_e // F32
+        return 0 if later else done
+
+    def block_reduce_scatter(self) -> int:
+        """FSDP reduce-scattering a block's gradients: the flat input (padded, reduce
+        dtype) beside the unsharded gradients, then beside the output."""
+        if self.stage < 2:
+            return 0
+        rs_in = self.block_padded * self.reduce_e // F32
+        return rs_in + max(self.block * self.gather_e // F32, rs_in // self.n)
+
+    def reduction(self) -> dict:
+        """{moment: (gradients, working set)} of the dp x sp reduction and the step."""
+        if self.n == 1 or self.stage >= 2:
+            return {"step": (self.grads_accumulated(), 0)}
+        last_local, last_padded = self.buckets[-1]
+        if self.stage == 0:  # each bucket's flat copy, cast from an fp32 concatenation
+            flats = sum(b for b, _ in self.buckets) * self.reduce_e // F32
+            return {"reduction": (self.local, flats + (last_local if self.reduce_e != F32
+                                                       else 0))}
+        earlier = (sum(b for _, b in self.buckets) - last_padded) * self.reduce_e // F32
+        return {"reduction": (last_local, earlier + 2 * last_padded),
+                "step": (self.piece, (1 + self.n) * self.piece)}
+
+
+def _block(name: str) -> Optional[str]:
+    """The layer index of a block's parameter, None for the root unit's."""
+    return name.split(".")[1] if name.startswith("layers.") else None
+
+
+def _buckets(sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """comm._make_buckets over (bytes, padded bytes) per parameter: in reverse order, a
+    bucket closed once it reaches BUCKET_BYTES; both sums per bucket."""
+    buckets, local, padded = [], 0, 0
+    for n, n_padded in reversed(sizes):
+        local, padded = local + n, padded + n_padded
+        if local >= BUCKET_BYTES:
+            buckets.append((local, padded))
+            local, padded = 0, 0
+    if local:
+        buckets.append((local, padded))
+    return buckets or [(0, 0)]
+
+
+# -- activations -----------------------------------------------------------------------------
+
+class _Activations:
+    """What a micro-batch keeps for backward on this rank, and what its backward adds."""
+
+    def __init__(self, s: _Shape, cfg: Config, rank: _RankLayout):
+        mem = cfg.memory
+        self.s, self.rank = s, rank
+        self.chunks, self.recompute = mem.tiled_mlp_chunks, mem.recompute_granularity
+        self.terms = _layer_terms(s, self.recompute == "selective", self.chunks)
+        self.layers = rank.layers
+        self.recomputed = 0  # full: the most a group's recomputation adds to what is kept
+        self.rerun = (0, 0)  # full: (layers, groups) whose forward runs again
+        self.layers_kept = sum(self.terms.values()) * self.layers
+        if self.recompute == "full":
+            self._full_recompute(mem)
+        self.per_layer = self.layers_kept // max(1, self.layers)
+        self.head = _head_kept(s) if rank.last else 0
+        self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
+        self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
+        if rank.first and s.hidden_dropout:
+            self.embedding += F32 * s.Tr * s.h
+        self.tied = (not cfg.model.untie_embeddings_and_output_weights and rank.first
+                     and rank.last)
+
+    def _full_recompute(self, mem):
+        """Full recomputation, per stage: a checkpointed group keeps its input, the others
+        everything; the worst group's backward adds its layers back in full; which layers
+        (and groups) run forward again."""
+        from megaulysses.parallel.recompute import layer_groups
+        layer = sum(self.terms.values())  # what a layer holds while recomputed
+        self.layers_kept, layers, groups = 0, 0, 0
+        for n in (n for n in self.rank.stage_layers if n):
+            cut = layer_groups(n, mem.recompute_method, mem.recompute_num_layers)
+            kept = [F32 * self.s.Tr * self.s.h if again else (end - a) * layer
+                    for a, end, again in cut]
+            # A group's backward: the groups before it keep theirs, it holds all again.
+            worst = max(sum(kept[:i]) + (end - a) * layer for i, (a, end, _) in enumerate(cut))
+            self.recomputed = max(self.recomputed, worst - sum(kept))
+            self.layers_kept += sum(kept)
+            layers += sum(end - a for a, end, again in cut if again)
+            groups += sum(1 for *_, again in cut if again)
+        self.rerun = (layers, groups)
+
+    def per_micro_batch(self) -> int:
+        return self.layers_kept + self.head + self.output + self.embedding
+
+    def last_layer_kept(self) -> int:
+        """What the last layer's backward frees (full: a recomputed group frees what it
+        brought back, counted as transient)."""
+        return 0 if self.recompute == "full" else self.per_layer
+
+    def backward_moments(self) -> dict:
+        """{moment: this micro-batch's activations + its backward's temporaries} at the
+        moments of its backward where the peak can be (the module doc's list)."""
+        s, kept = self.s, self.per_micro_batch()
+        out = {"head backward": kept + self._head_backward()} if self.rank.last else {}
+        live = kept - self.head + self.recomputed  # the head's tensors are freed by now
+        if self.tied:  # the loss's gradient of the tied embedding waits for the lookup's
+            live += F32 * s.V * s.h
+        stream = F32 * s.Tr * s.h  # the residual stream's gradient
+        mlp = 2 * s.e * s.T * s.f // self.chunks + stream
+        if self.chunks > 1:  # one chunk of the MLP recomputed
+            mlp += sum(_mlp_terms(s).values()) // self.chunks
+        out["mlp backward"] = live + mlp
+        freed = sum(v for k, v in self.terms.items() if k.startswith("mlp") or k == "out input")
+        core = _core_backward(s)
+        if self.recompute == "selective":
+            core += sum(_core_terms(s).values())
+        out["core backward"] = live - freed + stream + core
+        return out
+
+    def _head_backward(self) -> int:
+        """The loss's backward on top of everything kept (see the module doc)."""
+        s = self.s
+        rows = min(s.T, s.ce_rows)
+        chunk = 0 if s.ce_kept else F32 * rows * s.V  # recomputed (else counted as kept)
+        prev = F32 * min(rows, s.T - rows) * s.V if s.T > rows else 0
+        both = (F32 + s.e) / F32 if s.e != F32 else 1  # a chunk in two dtypes at once
+        cast = s.e * rows * s.V if s.e != F32 else 0  # dlogits in the matmul dtype
+        largest = max(F32 * s.h * s.V + s.e * s.h * rows + chunk + cast,  # a dW product
+                      int((prev + chunk) * both),  # the next chunk's exps
+                      s.e * s.V * s.h + chunk + cast)  # the final dW
+        return F32 * s.h * s.V + s.e * s.T * s.h + 3 * F32 * s.T + largest
+
+
+def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
+    """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
+    t = {"attn norm": _norm(s), "attn input": _linear_input(s, 3)}
+    if s.rope:
+        t["rope cos/sin"] = 4 * F32 * s.T * s.d // 2
+    if selective:
+        t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
+    else:
+        t.update(_core_terms(s))
+    if selective or s.kernel != "sdpa" or s.sp > 1:
+        t["out input"] = s.e * s.T * s.hq * s.d
+    if chunks > 1:
+        t["mlp (tiled) input"] = F32 * s.Tr * s.h
+    else:
+        t.update(_mlp_terms(s))
+    if s.hidden_dropout:
+        t["dropout masks"] = 2 * F32 * s.Tr * s.h
+    return t
+
+
+def _norm(s: _Shape) -> int:
+    return F32 * s.Tr * (s.h + (2 if s.layernorm else 1))
+
+
+def _linear_input(s: _Shape, linears: int) -> int:
+    """The normed input saved by the linears reading it: one fp32 tensor, or under
+    autocast each linear's own e-byte copy."""
+    return (linears * s.e if s.e != F32 else F32) * s.T * s.h
+
+
+def _core_terms(s: _Shape) -> dict:
+    qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
+    square = F32 * s.b * s.core_heads * s.S * s.S
+    if s.kernel == "block":
+        return {"core q,k,v,out": F32 * qkv_out, "core probabilities": F32 * _probs(s)}
+    if s.kernel == "math":
+        return {"core q,k,v,out": F32 * qkv_out, "core probabilities": square}
+    if s.kernel == "sdpa-math":
+        return {"core q,k,v": s.e * s.T * (s.hq + 2 * s.kv) * s.d,
+                "core probabilities": 3 * square}
+    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": F32 * s.b * s.core_heads * s.S}
+
+
+def _probs(s: _Shape) -> int:
+    """Elements of the block kernel's causal probabilities: per (sample, head) each query
+    block's rows times the keys up to its end."""
+    blocks = ((i, min(i + BLOCK_ROWS, s.S)) for i in range(0, s.S, BLOCK_ROWS))
+    return s.b * s.core_heads * sum((end - i) * end for i, end in blocks)
+
+
+def _core_backward(s: _Shape) -> int:
+    """The core's backward working set: dq, dk, dv, dout (and the block kernel's two
+    gradient blocks of 64 query rows)."""
+    qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
+    if s.kernel == "block":
+        return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
+    return s.e * qkv
+
+
+def _mlp_terms(s: _Shape) -> dict:
+    return {"mlp norm": _norm(s), "mlp input": _linear_input(s, 2 if s.swiglu else 1),
+            "mlp hidden": (4 if s.swiglu else 2) * s.e * s.T * s.f}
+
+
+def _head_kept(s: _Shape) -> int:
+    """Final norm, the loss's input (and its e-byte weight copy), its per-token
+    statistics, and the one chunk of exps it keeps when everything fits in one."""
+    out = _norm(s) + s.e * s.T * s.h + 25 * s.T
+    if s.e != F32:
+        out += s.e * s.V * s.h
+    if s.ce_kept:
+        out += F32 * s.T * s.V
+    return out
+
+
+def _held_outside_model(s: _Shape, rank: _RankLayout, pp: int) -> int:
+    """The step's micro-batches (concatenated once more under pp) and the pipeline's
+    receive buffers: activations into every stage but the first, gradients into every
+    stage but the last, one per micro-batch each."""
+    batches = rank.m * s.T * BATCH_BYTES_PER_TOKEN * (2 if pp > 1 else 1)
+    if pp == 1:
+        return batches
+    receives = 2 * rank.chunks - rank.first - rank.last
+    return batches + receives * rank.m * F32 * s.Tr * s.h
+
+
+# -- the moments -------------------------------------------------------------------------------
+
+def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> dict:
+    """{moment: {params, grads, optimizer, activations, transient}} where the peak can be.
+
+    In flight are `rank.in_flight` model chunks (micro-batches without virtual stages),
+    each keeping 1/chunks of what a micro-batch keeps on this rank; the one whose
+    backward runs frees some of its own and adds temporaries (transient)."""
+    unit, kept = acts.per_micro_batch() // rank.chunks, acts.per_micro_batch()
+    flight, total = rank.in_flight, rank.m * rank.chunks
+    later = flight if total > flight else flight - 1  # while forwards remain
+    moments = {}
+
+    def add(name, grads, act, transient, params):
+        moments[name] = {"params": params, "grads": grads, "optimizer": st.optimizer,
+                         "activations": act, "transient": transient + other}
+
+    def both(name, act, transient, params, new_grads=(0, 0)):
+        add(f"{name}, first", new_grads[0], (flight - 1) * unit + act, transient, params)
+        if total > 1:
+            add(f"{name}, later", st.grads_accumulated() + new_grads[1],
+                (later - 1) * unit + act, transient, params)
+
+    done = {"head backward": 0, "mlp backward": st.block_mlp, "core backward": st.block}
+    for name, live in acts.backward_moments().items():
+        blocks = 1 if name == "head backward" else min(2, acts.layers)
+        part = done[name] if acts.layers else 0
+        both(name, unit + min(0, live - kept), max(0, live - kept),
+             st.held_params + st.gathered(blocks) + st.cast_copies,
+             (st.new_grads(part, False), st.new_grads(part, True)))
+    if st.block_reduce_scatter():  # the block itself is resharded before it
+        both("block reduce-scatter", unit - acts.head - acts.last_layer_kept(),
+             st.block_reduce_scatter(), st.held_params + st.gathered(1))
+    for name, (grads, transient) in st.reduction().items():
+        add(name, grads, 0, transient, st.held_params)
+    return moments
+
+
+# -- communication ---------------------------------------------------------------------------
+
+def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _Activations,
+               rank: _RankLayout) -> dict:
+    """Bytes this rank sends per iteration by collective kind (the module doc's list)."""
+    out = dict.fromkeys(("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p"),
+                        0.0)
+    m, layers = rank.m, rank.layers
+    forwards = m * (layers + acts.rerun[0])  # layer forwards per iteration
+    if s.sp > 1:
+        a2a = ulysses_bytes_per_layer(s.b, s.S, s.hq, s.hkv, s.d, s.sp, s.e)
+        out["all_to_all"] += a2a * (forwards + m * layers)
+    if s.tp > 1:
+        _tensor_parallel(out, cfg, s, rank, forwards, m * acts.rerun[1],
+                         m if st.fsdp_per_block else 1)
+    _zero(out, st, m)
+    if dims.pp > 1:
+        _pipeline_p2p(out, cfg, s, st, rank)
+    _scalars(out, dims)
+    return {k: int(v) for k, v in out.items() if v}
+
+
+def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwards: int,
+                     unrepeated: int, norm_syncs: int):
+    """Forward: the sublayer outputs (e bytes) all-reduced, or under Megatron-SP
+    reduce-scattered with the fp32 normed inputs all-gathered; backward the same kinds
+    swapped (input gradients fp32). `unrepeated`: recomputed groups, whose last MLP output
+    is not reduced again. Plus the vocab-parallel embedding's and loss's collectives, and
+    under Megatron-SP the norm weights' partial gradients (`norm_syncs` times)."""
+    m, layers, frac = rank.m, rank.layers, (s.tp - 1) / s.tp
+    full = s.T * s.h  # elements of [b, s/sp, h]
+    outputs = 2 * forwards - unrepeated  # sublayer outputs reduced in forward
+    if s.mega_sp:
+        out["all_gather"] += 2 * full * frac * (F32 * forwards + s.e * m * layers)
+        out["reduce_scatter"] += full * frac * (s.e * outputs + 2 * F32 * m * layers)
+        if cfg.memory.tiled_mlp_chunks > 1:  # a tile's recompute gathers its input again
+            out["all_gather"] += full * frac * F32 * m * layers
+        norms = 2 * layers + rank.last
+        out["all_reduce"] += 2 * F32 * s.h * frac * norms * norm_syncs
+    else:
+        out["all_reduce"] += 2 * full * frac * (s.e * outputs + 2 * F32 * m * layers)
+    if rank.first:
+        out["all_reduce"] += 2 * F32 * full * frac * m  # the lookup's partial sums
+        if s.mega_sp:
+            out["all_gather"] += F32 * full * frac * m  # its gradient, made whole
+    if rank.last:
+        out["all_reduce"] += 2 * 3 * F32 * s.T * frac * m  # row max, sum of exps, picked
+        if s.mega_sp:  # the loss gathers its input, backward reduce-scatters the gradient
+            out["all_gather"] += s.e * full * frac * m
+            out["reduce_scatter"] += s.e * full * frac * m
+        else:
+            out["all_reduce"] += 2 * s.e * full * frac * m  # the input gradient
+
+
+def _zero(out: dict, st: _States, m: int):
+    """Gradients over dp x sp: N ranks, each collective moving (N-1)/N of its buffer."""
+    if st.n == 1:
+        return
+    frac, whole = (st.n - 1) / st.n, st.n * st.piece  # padded: what ZeRO moves
+    reduce, gather = st.reduce_e / F32, st.gather_e / F32
+    if st.stage == 0:
+        out["all_reduce"] += 2 * st.local * reduce * frac
+    elif st.stage == 1:
+        out["reduce_scatter"] += whole * reduce * frac
+        out["all_gather"] += whole * frac
+    elif not st.fsdp_per_block or st.stage == 2:
+        out["reduce_scatter"] += (m if st.fsdp_per_block else 1) * whole * reduce * frac
+        out["all_gather"] += whole * gather * frac
+    else:  # stage 3: the root once and each block twice (forward, backward) per micro-batch
+        root = st.n * st.root_piece
+        out["reduce_scatter"] += m * whole * reduce * frac
+        out["all_gather"] += m * (root + 2 * (whole - root)) * gather * frac
+
+
+def _pipeline_p2p(out: dict, cfg: Config, s: _Shape, st: _States, rank: _RankLayout):
+    """Each local stage sends its micro-batches' outputs forward (but the last stage) and
+    input gradients backward (but the first); the tied embedding's gradient (ZeRO: its
+    rows) goes between the first and the last stage."""
+    sends = 2 * rank.chunks - rank.first - rank.last
+    out["p2p"] += sends * rank.m * F32 * s.Tr * s.h
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    if tied and rank.first != rank.last:
+        rows = s.V if st.stage == 0 else -(-s.V // st.n)
+        out["p2p"] += F32 * rows * s.h
+
+
+def _scalars(out: dict, dims: ParallelDims):
+    """The token count, the loss and the gradient norm: a few fp64 numbers."""
+    ring = lambda p, nbytes: 2 * nbytes * (p - 1) / p  # noqa: E731
+    out["all_reduce"] += (3 * ring(dims.dp * dims.sp, 8) + 2 * ring(dims.pp, 8)
+                          + ring(dims.tp, 16))
+
+
+# -- the table -------------------------------------------------------------------------------
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a small table (MiB per rank), for the start-up log and --dry-run."""
+    mib = lambda n: f"{n / MIB:,.1f}"  # noqa: E731
+    flight = f"{plan.in_flight} micro-batch{'es' if plan.in_flight > 1 else ''} in flight"
+    rows = [("parameters", plan.param_bytes), ("gradients", plan.grad_bytes),
+            ("optimizer states", plan.optimizer_bytes),
+            (f"activations ({flight})", plan.activation_bytes),
+            ("transient working set", plan.transient_bytes),
+            (f"peak ({plan.peak_moment})", plan.peak_bytes)]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"memory plan, pipeline rank {plan.pp_rank}: {plan.layers} layers, ZeRO stage "
+             f"{plan.zero_stage}, {plan.micro_batches} micro-batches of {plan.tokens} tokens "
+             "per rank; MiB per rank"]
+    lines += [f"  {name:<{width}}  {mib(n):>12}" for name, n in rows]
+    terms = ", ".join(f"{k} {mib(v)}" for k, v in plan.layer_terms.items())
+    held = sum(plan.layer_terms.values())
+    lines.append(f"  activations kept per layer: {mib(plan.activation_bytes_per_layer)}"
+                 + (f" (recomputed, a layer holds {mib(held)} in its backward: {terms})"
+                    if held != plan.activation_bytes_per_layer else f" ({terms})"))
+    if plan.comm_bytes:
+        lines.append("  communication per iteration, MiB sent: " + ", ".join(
+            f"{k} {mib(v)}" for k, v in plan.comm_bytes.items()))
+    return "\n".join(lines)

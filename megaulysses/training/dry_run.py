@@ -1,0 +1,68 @@
+"""`pretrain_gpt.py --dry-run`: validate a grid and print its memory plan, without training.
+
+The grid's world is `--dry-run-world-size`, else the WORLD_SIZE environment variable (as
+torchrun sets it), else 1. Everything the trainer checks at start-up that needs no data
+and no process group is checked the same way (`ParallelDims.from_world`, `validate`, the
+tokenizer for the vocabulary size); then `plan_memory` prints each pipeline stage's bytes
+per rank and the communication per iteration. Nothing is allocated: the model exists only
+on the meta device, inside the plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megaulysses.config import Config
+from megaulysses.data.build import load_tokenizer
+from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.memory_plan import format_plan, plan_memory
+
+ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last are printed
+
+
+def dry_run(cfg: Config) -> int:
+    """Validate `cfg` on its grid and print the plan (from global rank 0 only). Returns the
+    exit code, 0; a rule that fails raises ConfigError, as in training."""
+    dims = _validated_dims(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    print(_header(cfg, dims))
+    for pp_rank in _stages_to_print(dims.pp):
+        print(format_plan(plan_memory(cfg, dims, pp_rank)))
+    return 0
+
+
+def _validated_dims(cfg: Config) -> ParallelDims:
+    """The grid, checked exactly as Trainer.__init__ checks it."""
+    par, t = cfg.parallel, cfg.train
+    world = cfg.memory.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
+                                   pp=par.pipeline_model_parallel_size,
+                                   sp=par.ds_sequence_parallel_size)
+    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
+    dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
+                  par.sequence_parallel and dims.tp > 1, par.pipeline_schedule,
+                  cfg.memory.tiled_mlp_chunks)
+    return dims
+
+
+def _stages_to_print(pp: int) -> list[int]:
+    return list(range(pp)) if pp <= ALL_STAGES_UP_TO else [0, pp - 1]
+
+
+def _header(cfg: Config, dims: ParallelDims) -> str:
+    m, mem, par = cfg.model, cfg.memory, cfg.parallel
+    dtype = "bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32"
+    recompute = mem.recompute_granularity or "none"
+    if recompute == "full":
+        recompute += f" ({mem.recompute_method}, --recompute-num-layers " \
+                     f"{mem.recompute_num_layers})"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the trainer would pick
+    return (f"dry run: world {dims.world} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp} x sp "
+            f"{dims.sp}{' (Megatron-SP in tp)' if par.sequence_parallel and dims.tp > 1 else ''}"
+            f"; ZeRO stage {par.zero_stage}; {m.num_layers} layers, hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads, seq {m.seq_length}, vocab {m.padded_vocab_size} "
+            f"(padded); {dtype}; recompute {recompute}; MLP tiles {mem.tiled_mlp_chunks}; "
+            f"planned for {device}; flags and grid valid, nothing allocated")

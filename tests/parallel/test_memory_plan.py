@@ -1,0 +1,233 @@
+"""The memory plan (parallel/memory_plan.py) against what real ranks hold, and --dry-run.
+
+Measured: per rank, the real Trainer on real gloo ranks runs one step (AdamW creates its
+states), then the second step inside `LiveBytes`: the peak live tensor bytes of that step
+plus what the rank held before it (parameters and buffers, optimizer states, its
+micro-batches, and under pipeline parallelism torch's receive buffers, allocated at the
+first step and reused) -- benchmarks/fake_rank.py's split. Predicted: `plan_memory` from
+the config alone. TOLERANCE: |predicted - measured| <= 10% of measured, on every rank of
+every grid (issue 12, item 5). The communication bytes of the measured step (comm.stats)
+must match the plan's `comm_bytes` per kind.
+
+The models are small (2 layers, hidden 64, 4 heads, vocab 512) at seq 256 and micro-batch
+2, so activations are most of the peak (the CPU block kernel's probabilities included);
+one spawn per world size runs all of its grids. `-s` prints the table.
+"""
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from dist import run_ranks
+from helpers import TINY
+
+TOLERANCE = 0.10  # of the measured peak
+MIB = 2 ** 20
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+        "--log-interval", "100", "--generate", "0", "--peak-tflops", "1",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511"]
+SP2, TP2, PP2 = (["--ds-sequence-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
+                 ["--pipeline-model-parallel-size", "2"])
+FULL, SELECTIVE = ["--recompute-granularity", "full"], ["--recompute-activations"]
+GRIDS = {  # world -> {name: flags}
+    1: {"1 process, fp32, recompute none": []},
+    2: {"sp2, ZeRO-0, none": SP2,
+        "sp2, ZeRO-1, selective": SP2 + ["--zero-stage", "1"] + SELECTIVE,
+        "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
+        "tp2 + Megatron-SP, selective, MLP tiled 2":
+            TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + SELECTIVE,
+        "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
+        "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"]},
+    4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
+            "--sequence-parallel", "--zero-stage", "3"] + SELECTIVE,
+        "pp2 x sp2, ZeRO-1, full, 4 micro-batches": PP2 + SP2 + [
+            "--zero-stage", "1", "--global-batch-size", "8"] + FULL},
+}
+
+
+def measure_rank(rank, world, grids: dict) -> dict:
+    """{grid: (measured peak bytes, plan's peak, measured comm bytes, plan's comm bytes)}
+    of this rank, one Trainer per grid in turn (start-up logs silenced)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        return {name: measure_grid(flags) for name, flags in grids.items()}
+    finally:
+        logging.disable(before)
+
+
+def measure_grid(flags: list) -> tuple:
+    from megaulysses.config import parse_args
+    from megaulysses.parallel.dims import PP
+    from megaulysses.parallel.memory_plan import plan_memory
+    from megaulysses.training.trainer import Trainer
+    trainer = Trainer(parse_args(BASE + flags))
+    measured, comm = measured_peak(trainer)
+    plan = plan_memory(trainer.cfg, trainer.dims, trainer.comm.rank(PP), "cpu")
+    del trainer
+    gc.collect()
+    return measured, plan.peak_bytes, comm, plan.comm_bytes
+
+
+def measured_peak(trainer) -> tuple[int, dict]:
+    """Bytes held before the second step + the peak live bytes it allocated; and the
+    bytes it sent per collective kind."""
+    import megaulysses.training.trainer as tr
+    from megaulysses.training.live_bytes import LiveBytes, storage_bytes
+    t = trainer.cfg.train
+
+    def step(batches):
+        tr.train_step(trainer.model, batches, trainer.zero, trainer.scaler, t.clip_grad,
+                      trainer.device, trainer.dtype, trainer.comm, trainer.pipeline)
+
+    step(trainer.train_data.micro_batches(0))
+    batches = trainer.train_data.micro_batches(t.global_batch_size)
+    states = [v for s in trainer.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)]
+    held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
+                         + states + [v for b in batches for v in b.values()]
+                         + _pipeline_buffers(trainer.pipeline))
+    gc.collect()
+    trainer.comm.stats.pop()
+    with LiveBytes() as mem:
+        step(batches)
+    return held + mem.peak, trainer.comm.stats.pop()
+
+
+def _pipeline_buffers(pipeline) -> list:
+    """torch.distributed.pipelining's receive buffers (one per micro-batch and direction)."""
+    if pipeline is None:
+        return []
+    infos = [i for stage in pipeline.stages
+             for table in (stage.args_recv_info, stage.grad_recv_info)
+             for per_micro in table.values() for i in per_micro]
+    return [getattr(i, "buffer", None) for i in infos]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """{(world, rank, grid): (measured, predicted, comm measured, comm predicted)}."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks run
+    results = {}
+    for world, grids in GRIDS.items():
+        ranks = ([measure_rank(0, 1, grids)] if world == 1
+                 else run_ranks(measure_rank, world, grids))
+        for rank, per_grid in enumerate(ranks):
+            for name, figures in per_grid.items():
+                results[(world, rank, name)] = figures
+    torch.set_num_threads(threads)
+    print("\npredicted vs measured peak bytes per rank (MiB):")
+    for (world, rank, name), (meas, pred, _, _) in results.items():
+        print(f"  world {world} rank {rank}  {name:<46} predicted {pred / MIB:7.3f}  "
+              f"measured {meas / MIB:7.3f}  error {100 * (pred - meas) / meas:+5.1f}%")
+    return results
+
+
+def test_plan_predicts_the_measured_peak(measured):
+    assert len({key[2] for key in measured}) >= 8
+    for (world, rank, name), (meas, pred, _, _) in measured.items():
+        assert abs(pred - meas) <= TOLERANCE * meas, (world, rank, name, pred, meas)
+
+
+def test_plan_predicts_the_communication_bytes(measured):
+    for (world, rank, name), (_, _, comm, planned) in measured.items():
+        kinds = set(comm) | set(planned)
+        for kind in kinds:  # (per-call rounding to whole bytes aside)
+            got, want = comm.get(kind, 0), planned.get(kind, 0)
+            assert abs(got - want) <= 1e-4 * want + 64, (world, rank, name, kind, got, want)
+
+
+def test_selective_layer_terms_match_the_measured_starting_point():
+    """One process, fp32, Llama style, MHA: a layer keeps T*(8h + 4f) + 2*T*d + 2T fp32
+    elements under selective recomputation (measured, issue 12)."""
+    from megaulysses.config import parse_args
+    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.parallel.memory_plan import plan_memory
+    cfg = parse_args(BASE + SELECTIVE)
+    cfg.model.vocab_size = 512
+    plan = plan_memory(cfg, ParallelDims(1, 1, 1, 1), 0, "cpu")
+    m = cfg.model
+    T, h, f, d = 2 * m.seq_length, m.hidden_size, m.ffn_size, m.head_dim
+    assert plan.activation_bytes_per_layer == 4 * (T * (8 * h + 4 * f) + 2 * T * d + 2 * T)
+
+
+def test_trainer_logs_the_plan(caplog, tmp_path):
+    from megaulysses.config import parse_args
+    from megaulysses.training.trainer import Trainer
+    caplog.set_level(logging.INFO)
+    Trainer(parse_args(TINY + ["--data-cache-path", str(tmp_path / "cache")]))
+    assert "memory plan, pipeline rank 0" in caplog.text
+    assert "peak (" in caplog.text
+
+
+# -- --dry-run ---------------------------------------------------------------------------------
+
+PAPER_30B = ["--num-layers", "64", "--hidden-size", "6144", "--num-attention-heads", "64",
+             "--seq-length", "32768", "--max-position-embeddings", "32768",
+             "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+             "--zero-stage", "3", "--ds-sequence-parallel-size", "8",
+             "--recompute-granularity", "full", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "50257", "--mock-data", "--dry-run", "--dry-run-world-size", "64"]
+
+
+class _AllocatedBytes:
+    """LiveBytes that counts real allocations only (meta tensors describe shapes)."""
+
+    def __new__(cls):
+        from megaulysses.training.live_bytes import LiveBytes
+
+        class NotMeta(LiveBytes):
+            def _add(self, st):
+                if st.device.type != "meta":
+                    super()._add(st)
+
+        return NotMeta()
+
+
+def run_main(args, capfd) -> tuple[int, str, str]:
+    import pretrain_gpt
+    capfd.readouterr()
+    rc = pretrain_gpt.main(list(args))
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_of_the_papers_30b_shape_allocates_nothing(capfd):
+    with _AllocatedBytes() as mem:
+        rc, out, err = run_main(PAPER_30B, capfd)
+    assert rc == 0, err
+    assert mem.peak < 16 * MIB, mem.peak
+    assert "world 64 = dp 8 x tp 1 x pp 1 x sp 8" in out
+    assert "memory plan, pipeline rank 0: 64 layers, ZeRO stage 3" in out
+    for words in ("parameters", "gradients", "optimizer states", "activations", "peak (",
+                  "all_to_all", "all_gather", "reduce_scatter"):
+        assert words in out, out
+
+
+def test_dry_run_prints_every_pipeline_stage(capfd):
+    rc, out, err = run_main(TINY + PP2 + ["--dry-run", "--dry-run-world-size", "2"], capfd)
+    assert rc == 0, err
+    assert "pipeline rank 0:" in out and "pipeline rank 1:" in out and "p2p" in out
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (["--dry-run", "--dry-run-world-size", "6", "--ds-sequence-parallel-size", "4"],
+     "--ds-sequence-parallel-size"),
+    (["--dry-run", "--dry-run-world-size", "2", "--ds-sequence-parallel-size", "2",
+      "--tiled-mlp-chunks", "3"], "--tiled-mlp-chunks"),
+    (["--dry-run-world-size", "8"], "--dry-run-world-size"),
+    (["--dry-run", "--dry-run-world-size", "8", "--tensor-model-parallel-size", "8"],
+     "--tensor-model-parallel-size"),
+], ids=["grid-vs-world", "tiles-vs-sequence", "world-without-dry-run", "heads-vs-tp"])
+def test_dry_run_bad_input_is_one_line_and_exit_2(capfd, flags, flag):
+    rc, out, err = run_main(TINY + flags, capfd)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0], err
+    assert "Traceback" not in out + err
