@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megaulysses.config import ConfigError, ModelConfig
+from megaulysses.config import Config, ConfigError, ModelConfig
 
 # The mesh dimension names: every group is named by one of these, and only here are they
 # spelled out.
@@ -46,6 +46,20 @@ class ParallelDims:
                 f"their product tp*pp*sp = {tp}*{pp}*{sp} = {model_parallel} must divide "
                 f"the world size {world}")
         return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int) -> "ParallelDims":
+        par = cfg.parallel
+        return cls.from_world(world, tp=par.tensor_model_parallel_size,
+                              pp=par.pipeline_model_parallel_size,
+                              sp=par.ds_sequence_parallel_size)
+
+    def validate_config(self, cfg: Config):
+        """`validate` with the run's flags (the vocabulary size must be known by now)."""
+        par, t = cfg.parallel, cfg.train
+        self.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
+                      par.sequence_parallel and self.tp > 1, par.pipeline_schedule,
+                      cfg.memory.tiled_mlp_chunks)
 
     def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",

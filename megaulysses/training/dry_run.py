@@ -36,15 +36,10 @@ def dry_run(cfg: Config) -> int:
 
 def _validated_dims(cfg: Config) -> ParallelDims:
     """The grid, checked exactly as Trainer.__init__ checks it."""
-    par, t = cfg.parallel, cfg.train
     world = cfg.memory.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
-                                   pp=par.pipeline_model_parallel_size,
-                                   sp=par.ds_sequence_parallel_size)
+    dims = ParallelDims.from_config(cfg, world)
     cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-    dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
-                  par.sequence_parallel and dims.tp > 1, par.pipeline_schedule,
-                  cfg.memory.tiled_mlp_chunks)
+    dims.validate_config(cfg)
     return dims
 
 

@@ -164,15 +164,10 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
         self.rank, world = init_distributed(self.device)
-        par = cfg.parallel
-        self.dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
-                                            pp=par.pipeline_model_parallel_size,
-                                            sp=par.ds_sequence_parallel_size)
+        self.dims = ParallelDims.from_config(cfg, world)
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
-        self.dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
-                           par.sequence_parallel and self.dims.tp > 1, par.pipeline_schedule,
-                           cfg.memory.tiled_mlp_chunks)
+        self.dims.validate_config(cfg)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
         name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
