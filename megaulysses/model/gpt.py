@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, sdpa_attention
 from megaulysses.model.fused import linear, linear_cross_entropy
-from megaulysses.model.layers import MLP, Linear, apply_rotary, build_norm, rotary_tables
+from megaulysses.model.layers import MLP, Linear, apply_rotary, build_norm, rotary_angles
 
 
 class SelfAttention(nn.Module):
@@ -37,18 +37,16 @@ class SelfAttention(nn.Module):
         self.out = Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
         self.core = core  # (q, k, v, dropout_p) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
-        self.rope = cfg.position_embedding_type == "rope"
 
-    def forward(self, x, rotary, position_ids):  # x [b, s, h]
+    def forward(self, x, rotary):  # x [b, s, h]; rotary: (cos, sin) or None
         b, s, _ = x.shape
         # -1 instead of the head count: tensor parallelism leaves a shard of the heads.
         q = self.q(x).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
         k = self.k(x).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
         v = self.v(x).view(b, s, -1, self.head_dim)
-        if self.rope:
-            cos, sin = rotary
-            q = apply_rotary(q, cos, sin, position_ids)
-            k = apply_rotary(k, cos, sin, position_ids)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+            k = apply_rotary(k, *rotary)
         y = self.core(q, k, v, self.dropout if self.training else 0.0)  # [b, s, hq, d]
         return self.out(y.reshape(b, s, -1))  # [b, s, h]
 
@@ -64,8 +62,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, x, rotary, position_ids):  # [b, s, h]
-        a = self.attn(self.attn_norm(x), rotary, position_ids)
+    def forward(self, x, rotary):  # [b, s, h]; rotary: (cos, sin) [b, s, 1, d/2] or None
+        a = self.attn(self.attn_norm(x), rotary)
         x = x + F.dropout(a, self.dropout, self.training)
         return x + F.dropout(self.mlp_part(x), self.dropout, self.training)
 
@@ -119,12 +117,7 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg, core) for i in range(cfg.num_layers)})
         self.head = Head(cfg)
-        if cfg.position_embedding_type == "rope":
-            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rotary_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
+        self.rope = cfg.position_embedding_type == "rope"
 
     def forward(self, tokens, position_ids=None, labels=None):
         """tokens `[b, s]` (or hidden `[b, s, h]` on a later pipeline stage).
@@ -140,10 +133,17 @@ class GPT(nn.Module):
         return x if self.head is None else self.output(x, labels)
 
     def run_layers(self, x, position_ids, layers):  # [b, s, h] -> [b, s, h]
-        rotary = (self.rope_cos, self.rope_sin)
+        rotary = self.rotary(position_ids)
         for layer in layers:
-            x = layer(x, rotary, position_ids)
+            x = layer(x, rotary)
         return x
+
+    def rotary(self, position_ids) -> Optional[tuple]:
+        """RoPE's (cos, sin) `[b, s, 1, d/2]` for these positions, once per forward and
+        shared by every layer (None without RoPE)."""
+        if not self.rope:
+            return None
+        return rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
 
     def output(self, x, labels=None):
         """The head: per-token losses `[b, s]` with labels, else logits `[b, s, V]`."""
@@ -163,11 +163,6 @@ class GPT(nn.Module):
         write = write or (lambda p, value: p.copy_(value))
         for name, p in self.named_parameters():
             write(p, initial_value(self.cfg, seed, name, tuple(p.shape)).to(p.dtype))
-        if self.rope_cos is not None:
-            cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_positions,
-                                     self.cfg.rotary_base, device=self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
 
 def initial_value(cfg: ModelConfig, seed: int, name: str, shape: tuple) -> torch.Tensor:

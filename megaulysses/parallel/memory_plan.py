@@ -13,13 +13,12 @@ rank, T' = T/tp between sublayers under Megatron-SP (else T), h hidden, d head d
 hkv the q and kv heads of this tensor-parallel rank (/tp), kv = hkv, or max(hkv, sp) when
 Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes of the compute
 dtype (4; 2 under bf16/fp16 autocast), 4 = fp32: the residual stream, norms, rotary
-tables, softmax statistics and every master parameter, gradient and AdamW state are fp32.
+angles, softmax statistics and every master parameter, gradient and AdamW state are fp32.
 
 Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
     attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
     attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
                  all-gathered whole one); under autocast each linear's e-byte copy, 3*e*T*h
-    rope         cos and sin gathered by position, for q and for k: 4 * 4*T*d/2
     core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
                  k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
                  (sample, core head) the sum over query blocks of 64 rows of rows*keys,
@@ -39,7 +38,8 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
   --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
     block: the first --recompute-num-layers layers of a stage one by one, the rest keep
     everything.
-Outside the layers, per micro-batch: the last stage keeps the final norm (4*T'*h), the
+Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
+computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps the final norm (4*T'*h), the
 loss's input (e*T*h; under autocast also its e-byte copy of the output weight, e*V*h),
 ~25 bytes a token of statistics and, when the fused cross entropy has one chunk (T*V <=
 2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a non-last pipeline stage keeps its
@@ -53,7 +53,7 @@ measured). Later backwards hold as many while forwards remain, and the gradients
 
 Model states, per rank (rank 0 of dp x sp): P = fp32 bytes of its parameters (its stage,
 its tp shard); ZeRO over N = dp*sp cuts each along dim 0 into ceil(rows/N)-row pieces.
-    parameters  stage 0/1: P; 2/3: the padded piece; + the rotary tables (4*positions*d);
+    parameters  stage 0/1: P; 2/3: the padded piece;
                 + autocast's cached e-byte copies of the blocks' weights (stages 0/1);
                 + FSDP's gathered copies (compute dtype): stage 2 (and 2/3 under pp)
                 everything, stage 3 the root unit (embedding, final norm, output layer)
@@ -78,13 +78,25 @@ The peak is the largest of these moments (the table shows which):
                          last is still referenced; e+4 bytes each under autocast), the
                          final e-byte dW
     mlp backward         the last layer's MLP backward: two e*T*f gradients beyond what it
-                         keeps and the residual stream's gradient; what recomputation
-                         brings back (full: the group's layers in full, while earlier
-                         groups keep their inputs; tiled: one chunk of the MLP); a tied
-                         embedding's gradient waiting for the embedding's own backward
+                         keeps and the residual stream's gradient (on the last stage also
+                         the loss's input gradient, 4*T'*h, still referenced; under
+                         Megatron-SP fc2's gradient all-gathered, 4*T*h, per chunk when
+                         tiled); what recomputation brings back (full: the group's layers
+                         in full, while earlier groups keep their inputs; tiled: one chunk
+                         of the MLP, and the chunks' input gradients, 4*T'*h in all); a
+                         tied embedding's gradient waiting for the embedding's own backward
     core backward        the last layer's attention core backward, the MLP freed: the
                          core's gradients (block kernel: two 64-row gradient blocks; and
                          under selective recomputation the core's internals again)
+    qkv backward         q, k and v's input gradients summed, the core's freed: dq, dk, dv
+                         and three 4*T*h tensors at once under tensor parallelism (DTensor
+                         adds out of place; Megatron-SP: T is the whole sequence), two
+                         without
+    attention recomputed (full recomputation under Ulysses) the last layer rerunning its
+                         attention: q, k, v before the all-to-all (the caller still holds
+                         them) beside those after it, and the output all-to-all's packing
+    FSDP (stages 2/3, no pp): after the head's backward its unsharded gradients wait for the
+                         root unit's reduce-scatter at the end of backward (all moments)
     block reduce-scatter (stages 2/3) right after the last layer's backward
     reduction, step      stage 0/1's buckets, stage 1's all-gather (activations freed)
 
@@ -94,7 +106,8 @@ for layers full recomputation reruns; tensor parallel: the sublayer outputs all-
 (e bytes) or under Megatron-SP reduce-scattered with the fp32 normed inputs all-gathered
 (`megatron_sp_bytes_per_layer`), backward the same kinds swapped (input gradients fp32),
 recomputation repeating the forward ones but the group's last MLP output (the checkpoint
-stops at fc2's input), a tiled MLP under Megatron-SP gathering its input again; the
+stops at fc2's input; with a tiled MLP it does not stop early, and the chunks' own
+recomputation reduces each fc2 output once more), a tiled MLP under Megatron-SP gathering its input again; the
 embedding's and the vocab-parallel loss's collectives; ZeRO (tests/parallel/test_zero.py):
 stage 0 all-reduce of P, stage 1 reduce-scatter and all-gather of N padded pieces, stage 2
 m reduce-scatters and one all-gather, stage 3 m reduce-scatters and m (root + 2 x blocks)
@@ -102,9 +115,7 @@ all-gathers (under pp one each); pipeline: activations forward and gradients bac
 micro-batch and local stage, the tied embedding's gradient between the first and last
 stage; a few fp64 scalars (token count, loss, grad norm).
 
-Not modelled: tensor parallelism with full recomputation *and* a tiled MLP (measured
-1.6-2.3x the plan: torch's nested non-reentrant checkpoints under DTensor hold several
-recomputed copies of the group's attention); forward-time peaks (the explicit `math`
+Not modelled: forward-time peaks (the explicit `math`
 attention backend's S*S temporaries: ~7% above the plan); backend scratch inside
 collectives and kernels.
 """
@@ -364,12 +375,14 @@ class _States:
         self.block_mlp = _Sizes.of([sh for name, sh in block if ".mlp." in name], n).whole
         self.block_padded = n * _Sizes.of([sh for _, sh in block], n).piece
         root = _Sizes.of([sh for name, sh in params if not _block(name)], n)
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        self.head_grads = _Sizes.of([sh for name, sh in params if name.startswith("head.")
+                                     or (tied and name.startswith("embed.word"))], n).whole
         self.root, self.root_piece = root.whole, root.piece
         self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
                                  for _, sh in params])
         self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
-        rope = F32 * cfg.model.max_positions * cfg.model.head_dim if s.rope else 0
-        self.held_params = (self.piece if stage >= 2 else self.local) + rope
+        self.held_params = self.piece if stage >= 2 else self.local
         # autocast caches e-byte copies of the blocks' linear weights, saved for backward
         self.cast_copies = (2 * sum(math.prod(sh) for name, sh in params
                                     if _block(name) and len(sh) == 2)
@@ -463,6 +476,7 @@ class _Activations:
             self._full_recompute(mem)
         self.per_layer = self.layers_kept // max(1, self.layers)
         self.head = _head_kept(s) if rank.last else 0
+        self.rotary = 2 * F32 * s.T * s.d // 2 if s.rope and self.layers else 0
         self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
         self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
         if rank.first and s.hidden_dropout:
@@ -490,7 +504,7 @@ class _Activations:
         self.rerun = (layers, groups)
 
     def per_micro_batch(self) -> int:
-        return self.layers_kept + self.head + self.output + self.embedding
+        return self.layers_kept + self.head + self.output + self.embedding + self.rotary
 
     def last_layer_kept(self) -> int:
         """What the last layer's backward frees (full: a recomputed group frees what it
@@ -506,16 +520,33 @@ class _Activations:
         if self.tied:  # the loss's gradient of the tied embedding waits for the lookup's
             live += F32 * s.V * s.h
         stream = F32 * s.Tr * s.h  # the residual stream's gradient
-        mlp = 2 * s.e * s.T * s.f // self.chunks + stream
-        if self.chunks > 1:  # one chunk of the MLP recomputed
-            mlp += sum(_mlp_terms(s).values()) // self.chunks
+        if self.rank.last:  # and the loss's input gradient, still referenced (measured)
+            stream += F32 * s.Tr * s.h
+        # Megatron-SP: fc2's reduce-scatter's backward all-gathers that gradient (per chunk
+        # when tiled); it lives through fc2's backward, and recomputation runs meanwhile.
+        gathered = F32 * s.T * s.h // self.chunks if s.mega_sp else 0
+        mlp = 2 * s.e * s.T * s.f // self.chunks + stream + gathered
+        if self.chunks > 1:  # one chunk of the MLP recomputed; the chunks' input gradients
+            mlp += sum(_mlp_terms(s).values()) // self.chunks + F32 * s.Tr * s.h
         out["mlp backward"] = live + mlp
         freed = sum(v for k, v in self.terms.items() if k.startswith("mlp") or k == "out input")
         core = _core_backward(s)
         if self.recompute == "selective":
             core += sum(_core_terms(s).values())
         out["core backward"] = live - freed + stream + core
+        # q, k and v's input gradients summed: two partial sums and the total at once (under
+        # tensor parallelism DTensor's accumulation is out of place; else in place, two).
+        core_in = sum(v for k, v in self.terms.items() if k.startswith("core"))
+        qkv = s.e * s.T * (s.hq + 2 * s.kv) * s.d + (3 if s.tp > 1 else 2) * F32 * s.T * s.h
+        out["qkv backward"] = live - freed - core_in + stream + qkv
+        if self.recompute == "full" and s.sp > 1:
+            out["attention recomputed"] = live - self._mlp_of_layer() + stream + (
+                # the caller's q, k, v before the all-to-all, the output all-to-all's packing
+                s.e * s.T * (s.hq + 2 * s.kv) * s.d + s.e * s.T * s.hq * s.d)
         return out
+
+    def _mlp_of_layer(self) -> int:
+        return sum(v for k, v in self.terms.items() if k.startswith("mlp"))
 
     def _head_backward(self) -> int:
         """The loss's backward on top of everything kept (see the module doc)."""
@@ -534,8 +565,6 @@ class _Activations:
 def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
     t = {"attn norm": _norm(s), "attn input": _linear_input(s, 3)}
-    if s.rope:
-        t["rope cos/sin"] = 4 * F32 * s.T * s.d // 2
     if selective:
         t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
     else:
@@ -640,10 +669,14 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
             add(f"{name}, later", st.grads_accumulated() + new_grads[1],
                 (later - 1) * unit + act, transient, params)
 
-    done = {"head backward": 0, "mlp backward": st.block_mlp, "core backward": st.block}
+    done = {"head backward": 0, "mlp backward": st.block_mlp, "core backward": st.block,
+            "qkv backward": st.block, "attention recomputed": 0}
+    # FSDP: the head's unsharded gradients wait for the root unit's reduce-scatter, at the
+    # end of the micro-batch's backward
+    head = st.head_grads if rank.last and st.fsdp_per_block else 0
     for name, live in acts.backward_moments().items():
-        blocks = 1 if name == "head backward" else min(2, acts.layers)
-        part = done[name] if acts.layers else 0
+        blocks = 1 if name in ("head backward", "attention recomputed") else min(2, acts.layers)
+        part = (done[name] if acts.layers else 0) + (head if name != "head backward" else 0)
         both(name, unit + min(0, live - kept), max(0, live - kept),
              st.held_params + st.gathered(blocks) + st.cast_copies,
              (st.new_grads(part, False), st.new_grads(part, True)))
@@ -668,7 +701,11 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
         a2a = ulysses_bytes_per_layer(s.b, s.S, s.hq, s.hkv, s.d, s.sp, s.e)
         out["all_to_all"] += a2a * (forwards + m * layers)
     if s.tp > 1:
-        _tensor_parallel(out, cfg, s, rank, forwards, m * acts.rerun[1],
+        # Sublayer outputs reduced beyond two per layer forward: recompute.py's early stop
+        # skips each group's last fc2; with a tiled MLP it is off, and every rerun layer's
+        # chunks, recomputed once more in backward, reduce their fc2 outputs again.
+        extra = -acts.rerun[1] if cfg.memory.tiled_mlp_chunks == 1 else acts.rerun[0]
+        _tensor_parallel(out, cfg, s, rank, forwards, m * extra,
                          m if st.fsdp_per_block else 1)
     _zero(out, st, m)
     if dims.pp > 1:
@@ -678,15 +715,15 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
 
 
 def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwards: int,
-                     unrepeated: int, norm_syncs: int):
+                     extra: int, norm_syncs: int):
     """Forward: the sublayer outputs (e bytes) all-reduced, or under Megatron-SP
     reduce-scattered with the fp32 normed inputs all-gathered; backward the same kinds
-    swapped (input gradients fp32). `unrepeated`: recomputed groups, whose last MLP output
-    is not reduced again. Plus the vocab-parallel embedding's and loss's collectives, and
+    swapped (input gradients fp32). `extra`: sublayer outputs reduced beyond two per layer
+    forward (negative: recomputations that stop before the last one). Plus the vocab-parallel embedding's and loss's collectives, and
     under Megatron-SP the norm weights' partial gradients (`norm_syncs` times)."""
     m, layers, frac = rank.m, rank.layers, (s.tp - 1) / s.tp
     full = s.T * s.h  # elements of [b, s/sp, h]
-    outputs = 2 * forwards - unrepeated  # sublayer outputs reduced in forward
+    outputs = 2 * forwards + extra  # sublayer outputs reduced in forward
     if s.mega_sp:
         out["all_gather"] += 2 * full * frac * (F32 * forwards + s.e * m * layers)
         out["reduce_scatter"] += full * frac * (s.e * outputs + 2 * F32 * m * layers)

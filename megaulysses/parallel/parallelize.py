@@ -36,8 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.model.tiling import apply_tiled_mlp
@@ -80,7 +79,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
     apply_ulysses(model, comm)  # 3
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
-                    mem.recompute_num_layers)
+                    mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1)
     apply_tiled_mlp(model, mem.tiled_mlp_chunks)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     if zero_stage >= 2:  # 5
@@ -117,8 +116,14 @@ def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
     if any(isinstance(p, _StridedShard) for p in param.placements):
         return distribute_tensor(value, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
-    shape, offset = compute_local_shape_and_global_offset(value.shape, param.device_mesh,
-                                                          param.placements)
+    shape, offset = list(value.shape), [0] * value.dim()
+    coords = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):  # torch.chunk's rule: pieces of ceil(n / k)
+            d, n, k = placement.dim, shape[placement.dim], param.device_mesh.size(mesh_dim)
+            full = -(-n // k)
+            start = min(n, full * coords[mesh_dim])
+            shape[d], offset[d] = min(n, start + full) - start, offset[d] + start
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 

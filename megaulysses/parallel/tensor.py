@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -49,8 +49,7 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False,
     if model.embed is not None:
         # Vocab-parallel lookup, summed over tp; with SP the block input is then this
         # rank's sequence slice (after the learned positions were added, whole).
-        parallelize_module(model.embed, tp_mesh,
-                           {"word": RowwiseParallel(input_layouts=Replicate())})
+        model.embed.word = VocabParallelEmbedding(model.embed.word, tp_mesh)
         if sequence_parallel:
             parallelize_module(model.embed, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=seq))
@@ -71,12 +70,35 @@ def _block_plan(block, sp: bool) -> dict:
         plan["mlp.gate"] = ColwiseParallel()
     # Wrap each sublayer's input once: its gradient (partial sums from q, k, v, or from
     # fc1 and gate) is then reduced in one collective, not one per linear (Megatron's f).
-    plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                      desired_input_layouts=(Replicate(), None, None))
+    plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),  # (x, rotary)
+                                      desired_input_layouts=(Replicate(), None))
     plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:  # norms on sequence shards; all-gather before each column-parallel group
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
     return plan
+
+
+class VocabParallelEmbedding(nn.Module):
+    """`nn.Embedding` with its rows split over the tp ranks (Megatron's vocab-parallel
+    embedding): each rank looks up the ids it holds, zeros for the others, and the partial
+    sums are all-reduced. Backward makes this rank's `[V/tp, h]` gradient only (DTensor's
+    own embedding sharding builds the whole `[V, h]` one first: 62.5 MiB per rank at
+    32000 x 512, measured). The parameter keeps its name (`weight`) and layout (Shard(0)).
+    """
+
+    def __init__(self, word: nn.Embedding, tp_mesh):
+        super().__init__()
+        self.mesh = tp_mesh
+        self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h], whole
+        w = self.weight.to_local()  # [V/tp, h]: rows [start, start + V/tp)
+        local = ids - self.mesh.get_local_rank() * w.shape[0]
+        outside = (local < 0) | (local >= w.shape[0])  # [b, s]
+        part = F.embedding(local.masked_fill(outside, 0), w)  # [b, s, h]
+        part = part.masked_fill_(outside.unsqueeze(-1), 0.0)  # this rank's share of the sum
+        return DTensor.from_local(part, self.mesh, [Partial()]).redistribute(
+            self.mesh, [Replicate()]).to_local()
 
 
 class VocabParallelHead(nn.Module):

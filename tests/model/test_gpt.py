@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import math_attention, sdpa_attention
 from megaulysses.model.gpt import GPT, build_model, count_parameters
-from megaulysses.model.layers import apply_rotary, rotary_tables
+from megaulysses.model.layers import apply_rotary, rotary_angles
 
 FP32_RTOL = 1e-5  # fp32 reorderings (fused kernels vs einsum) stay well inside this
 
@@ -93,29 +93,44 @@ def test_attention_cores_match_reference(core, hq, hkv):
         close(a, b)
 
 
+def _rotate(x, positions, base=10000.0):
+    return apply_rotary(x, *rotary_angles(positions, x.shape[-1], base))
+
+
 def test_rotary_scores_depend_on_relative_position_only():
     d = 16
-    cos, sin = rotary_tables(d, 64, 10000.0)
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 1, 1, d, generator=g), torch.randn(1, 1, 1, d, generator=g)
 
     def score(m, n):
-        qm = apply_rotary(q, cos, sin, torch.tensor([[m]]))
-        kn = apply_rotary(k, cos, sin, torch.tensor([[n]]))
+        qm = _rotate(q, torch.tensor([[m]]))
+        kn = _rotate(k, torch.tensor([[n]]))
         return (qm * kn).sum().item()
     assert score(5, 2) == pytest.approx(score(40, 37), rel=1e-5)
     assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
     # Position 0 is the identity.
-    assert torch.equal(apply_rotary(q, cos, sin, torch.tensor([[0]])), q)
+    assert torch.equal(_rotate(q, torch.tensor([[0]])), q)
 
 
 def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
     """What Ulysses relies on: rotating a sequence shard with its global positions."""
-    cos, sin = rotary_tables(8, 32, 500000.0)
     x = torch.randn(2, 32, 3, 8)
-    full = apply_rotary(x, cos, sin, torch.arange(32).expand(2, 32))
+    full = _rotate(x, torch.arange(32).expand(2, 32), 500000.0)
     pos = torch.arange(16, 32).expand(2, 16)
-    assert torch.equal(apply_rotary(x[:, 16:], cos, sin, pos), full[:, 16:])
+    assert torch.equal(_rotate(x[:, 16:], pos, 500000.0), full[:, 16:])
+
+
+def test_rotary_angles_equal_a_table_of_every_position():
+    """Angles computed from the positions are, bit for bit, the rows of a whole table
+    (fp64 outer product, then fp32), the way the tables used to be built."""
+    d, n, base = 64, 4096, 10000.0
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    table = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+    pos = torch.randint(0, n, (2, 300))
+    cos, sin = rotary_angles(pos, d, base)
+    assert cos.shape == (2, 300, 1, d // 2) and cos.dtype == torch.float32
+    assert torch.equal(cos.squeeze(2), table.cos().float()[pos])
+    assert torch.equal(sin.squeeze(2), table.sin().float()[pos])
 
 
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])

@@ -41,6 +41,8 @@ GRIDS = {  # world -> {name: flags}
         "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
         "tp2 + Megatron-SP, selective, MLP tiled 2":
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + SELECTIVE,
+        "tp2 + Megatron-SP, full, MLP tiled 2":
+            TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"]},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
@@ -144,8 +146,9 @@ def test_plan_predicts_the_communication_bytes(measured):
 
 
 def test_selective_layer_terms_match_the_measured_starting_point():
-    """One process, fp32, Llama style, MHA: a layer keeps T*(8h + 4f) + 2*T*d + 2T fp32
-    elements under selective recomputation (measured, issue 12)."""
+    """One process, fp32, Llama style, MHA: a layer keeps T*(8h + 4f) + 2T fp32 elements
+    under selective recomputation (measured, issue 12), and the micro-batch RoPE's cos and
+    sin once, T*d (no longer gathered per layer)."""
     from megaulysses.config import parse_args
     from megaulysses.parallel.dims import ParallelDims
     from megaulysses.parallel.memory_plan import plan_memory
@@ -154,7 +157,11 @@ def test_selective_layer_terms_match_the_measured_starting_point():
     plan = plan_memory(cfg, ParallelDims(1, 1, 1, 1), 0, "cpu")
     m = cfg.model
     T, h, f, d = 2 * m.seq_length, m.hidden_size, m.ffn_size, m.head_dim
-    assert plan.activation_bytes_per_layer == 4 * (T * (8 * h + 4 * f) + 2 * T * d + 2 * T)
+    assert plan.activation_bytes_per_layer == 4 * (T * (8 * h + 4 * f) + 2 * T)
+    from megaulysses.parallel.memory_plan import _Activations, _RankLayout, _shape
+    acts = _Activations(_shape(cfg, ParallelDims(1, 1, 1, 1), "cpu"), cfg,
+                        _RankLayout.of(cfg, ParallelDims(1, 1, 1, 1), 0))
+    assert acts.rotary == 4 * T * d
 
 
 def test_trainer_logs_the_plan(caplog, tmp_path):
