@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megaulysses.model.gpt import Block
 
@@ -53,6 +53,9 @@ class TiledMLP:
         if not torch.is_grad_enabled():  # nothing is kept for backward: just the chunks
             return torch.cat([self._one(p) for p in pieces], dim=1)
         # Non-reentrant: parameters get their gradients as usual, the RNG state and autocast
-        # are restored for the recompute, and it nests inside full recomputation.
-        return torch.cat([checkpoint(self._one, p, use_reentrant=False) for p in pieces],
-                         dim=1)
+        # are restored for the recompute, and it nests inside full recomputation (which
+        # turns early stopping off around it: recompute.py). A chunk's own recomputation
+        # does stop early, at fc2's input: its output collective is never issued again.
+        with set_checkpoint_early_stop(True):
+            return torch.cat([checkpoint(self._one, p, use_reentrant=False)
+                              for p in pieces], dim=1)

@@ -106,8 +106,8 @@ for layers full recomputation reruns; tensor parallel: the sublayer outputs all-
 (e bytes) or under Megatron-SP reduce-scattered with the fp32 normed inputs all-gathered
 (`megatron_sp_bytes_per_layer`), backward the same kinds swapped (input gradients fp32),
 recomputation repeating the forward ones but the group's last MLP output (the checkpoint
-stops at fc2's input; with a tiled MLP it does not stop early, and the chunks' own
-recomputation reduces each fc2 output once more), a tiled MLP under Megatron-SP gathering its input again; the
+stops at fc2's input; with a tiled MLP it reruns whole, while each chunk's own recompute
+stops at fc2's input), a tiled MLP under Megatron-SP gathering its input again; the
 embedding's and the vocab-parallel loss's collectives; ZeRO (tests/parallel/test_zero.py):
 stage 0 all-reduce of P, stage 1 reduce-scatter and all-gather of N padded pieces, stage 2
 m reduce-scatters and one all-gather, stage 3 m reduce-scatters and m (root + 2 x blocks)
@@ -702,9 +702,8 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
         out["all_to_all"] += a2a * (forwards + m * layers)
     if s.tp > 1:
         # Sublayer outputs reduced beyond two per layer forward: recompute.py's early stop
-        # skips each group's last fc2; with a tiled MLP it is off, and every rerun layer's
-        # chunks, recomputed once more in backward, reduce their fc2 outputs again.
-        extra = -acts.rerun[1] if cfg.memory.tiled_mlp_chunks == 1 else acts.rerun[0]
+        # skips each group's last fc2 (with a tiled MLP it is off: the group reruns whole)
+        extra = -acts.rerun[1] if cfg.memory.tiled_mlp_chunks == 1 else 0
         _tensor_parallel(out, cfg, s, rank, forwards, m * extra,
                          m if st.fsdp_per_block else 1)
     _zero(out, st, m)
