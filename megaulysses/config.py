@@ -23,7 +23,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED_DATA = os.path.join(REPO_ROOT, "data", "shakespeare_text_document")
 BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "math")
+# The attention backends: model/attention.py BACKENDS (imported lazily: no torch here).
+ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
+ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -45,6 +47,11 @@ class CheckpointError(ValueError):
     """A --load checkpoint is unreadable or does not fit the model. One line for users.
     (Defined here, with ConfigError, so that the command line imports no torch to report
     either.)"""
+
+
+# What the attention may see: not part of a checkpoint's shape (any mask loads any weights).
+MASK_FIELDS = ("window_size", "attention_sparsity", "sparse_block_size", "sparse_local_blocks",
+               "sparse_global_blocks", "sparse_random_blocks", "sparse_seed")
 
 
 @dataclass
@@ -70,6 +77,13 @@ class ModelConfig:
     vocab_size: int = 0  # tokenizer vocabulary; set from the tokenizer
     make_vocab_size_divisible_by: int = 128
     attention_backend: str = "auto"
+    window_size: Optional[int] = None  # sliding window: each token sees the last W tokens
+    attention_sparsity: str = "dense"  # dense | fixed | bigbird (block-sparse layouts)
+    sparse_block_size: int = 64
+    sparse_local_blocks: int = 4
+    sparse_global_blocks: int = 1
+    sparse_random_blocks: int = 1  # bigbird only
+    sparse_seed: int = 1234  # bigbird's random blocks: the same on every rank and step
 
     @property
     def head_dim(self) -> int:
@@ -101,7 +115,8 @@ class ModelConfig:
     def shape_dict(self) -> dict:
         """What a checkpoint must agree on to be loaded into this model."""
         d = asdict(self)
-        for k in ("hidden_dropout", "attention_dropout", "attention_backend", "init_method_std"):
+        for k in ("hidden_dropout", "attention_dropout", "attention_backend", "init_method_std",
+                  *MASK_FIELDS):
             d.pop(k)
         d.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.num_kv_heads,
                  kv_channels=self.head_dim, max_position_embeddings=self.max_positions,
@@ -119,6 +134,8 @@ class DataConfig:
     tokenizer_model: Optional[str] = BUNDLED_TOKENIZER
     vocab_size: Optional[int] = None  # NullTokenizer / mock data only
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False  # positions restart after every EOD
+    reset_attention_mask: bool = False  # tokens attend within their own document only
 
 
 @dataclass
@@ -175,7 +192,8 @@ class LogConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # Megatron-style SP inside the tp group
-    ds_sequence_parallel_size: int = 1  # Ulysses degree P
+    ds_sequence_parallel_size: int = 1  # Ulysses degree U
+    context_parallel_size: int = 1  # ring attention degree C (sequence degree U * C)
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: Optional[str] = None  # None: 1f1b, or interleaved-1f1b with virtual stages
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
@@ -264,7 +282,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=m.init_method_std)
     g.add_argument("--make-vocab-size-divisible-by", type=pos("--make-vocab-size-divisible-by"),
                    default=m.make_vocab_size_divisible_by)
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=m.attention_backend)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=m.attention_backend,
+                   help="auto: flash_attn (CUDA, 16-bit) where installed and the mask allows, "
+                        "flex for other masks on CUDA, SDPA; on CPU the block kernels")
+
+    g = p.add_argument_group("attention mask (causal always; these narrow it)")
+    g.add_argument("--window-size", type=pos("--window-size"), default=None,
+                   help="sliding window: each token attends the last W tokens, itself "
+                        "included (Mistral-style); only blocks inside it are computed")
+    g.add_argument("--attention-sparsity", choices=ATTENTION_SPARSITIES,
+                   default=m.attention_sparsity,
+                   help="block-sparse layout: fixed (DeepSpeed / Sparse Transformer "
+                        "local windows + summary blocks) or bigbird (local + global + "
+                        "seeded random blocks); only attended blocks are computed")
+    g.add_argument("--sparse-block-size", type=pos("--sparse-block-size"),
+                   default=m.sparse_block_size, help="tokens per sparse block")
+    g.add_argument("--sparse-local-blocks", type=pos("--sparse-local-blocks"),
+                   default=m.sparse_local_blocks,
+                   help="fixed: blocks per local window; bigbird: sliding window in blocks")
+    g.add_argument("--sparse-global-blocks", type=int, default=m.sparse_global_blocks,
+                   help="fixed: summary blocks at the end of each window; bigbird: the "
+                        "first blocks, attended by all")
+    g.add_argument("--sparse-random-blocks", type=int, default=m.sparse_random_blocks,
+                   help="bigbird: random earlier blocks per query block")
+    g.add_argument("--sparse-seed", type=int, default=m.sparse_seed,
+                   help="bigbird: seed of the random blocks")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=d.data_path,
@@ -275,7 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=d.tokenizer_type)
     g.add_argument("--tokenizer-model", default=d.tokenizer_model)
     g.add_argument("--vocab-size", type=pos("--vocab-size"), default=None)
-    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the end-of-document token")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at 0 after every end-of-document token")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents: tokens attend within their own document only")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=pos("--micro-batch-size"), default=t.micro_batch_size)
@@ -330,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--generate-temperature", type=float, default=t.generate_temperature)
     g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
 
-    g = p.add_argument_group("parallelism (data-parallel size = world / (tp*pp*sp))")
+    g = p.add_argument_group("parallelism (data-parallel size = world / (tp*pp*sp*cp))")
     g.add_argument("--tensor-model-parallel-size", type=pos("--tensor-model-parallel-size"),
                    default=1)
     g.add_argument("--sequence-parallel", action="store_true",
@@ -338,7 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ds-sequence-parallel-size", "--ulysses-degree",
                    dest="ds_sequence_parallel_size",
                    type=pos("--ds-sequence-parallel-size"), default=1,
-                   help="Ulysses sequence-parallel degree")
+                   help="Ulysses sequence-parallel degree U (all-to-all; heads / tp / U "
+                        "heads per rank)")
+    g.add_argument("--context-parallel-size", type=pos("--context-parallel-size"), default=1,
+                   help="ring attention degree C over groups of U Ulysses ranks (sequence "
+                        "degree U * C; zigzag chunks for causal balance)")
     g.add_argument("--pipeline-model-parallel-size", type=pos("--pipeline-model-parallel-size"),
                    default=1, help="pipeline stages (layers split into consecutive blocks)")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
@@ -422,6 +473,7 @@ def _require(ok: bool, flag: str, rule: str):
 def validate(cfg: Config):
     """Every cross-flag rule. Files are checked later, where they are opened."""
     _validate_model(cfg.model)
+    _validate_attention_mask(cfg.model)
     _validate_train(cfg.train, cfg.model)
     _validate_data(cfg.data)
     _validate_pipeline(cfg.parallel)
@@ -450,6 +502,25 @@ def _validate_model(m: ModelConfig):
         _require(0.0 <= p < 1.0, flag, f"must be in [0, 1), got {p}")
     _require(m.norm_epsilon > 0, "--norm-epsilon", f"must be > 0, got {m.norm_epsilon}")
     _require(m.init_method_std > 0, "--init-method-std", f"must be > 0, got {m.init_method_std}")
+
+
+def _validate_attention_mask(m: ModelConfig):
+    """The mask's own rules; which backend runs it, and the sequence slices each rank sees,
+    are checked where the device and the grid are known (attention.select_backend,
+    ParallelDims.validate)."""
+    if m.attention_sparsity == "dense":
+        return
+    flag = "--sparse-block-size"
+    _require(m.seq_length % m.sparse_block_size == 0, flag,
+             f"{m.sparse_block_size} must divide --seq-length {m.seq_length}")
+    _require(m.sparse_global_blocks >= 0, "--sparse-global-blocks",
+             f"must be >= 0, got {m.sparse_global_blocks}")
+    _require(m.sparse_random_blocks >= 0, "--sparse-random-blocks",
+             f"must be >= 0, got {m.sparse_random_blocks}")
+    if m.attention_sparsity == "fixed":
+        _require(m.sparse_global_blocks <= m.sparse_local_blocks, "--sparse-global-blocks",
+                 f"{m.sparse_global_blocks} summary blocks do not fit in a window of "
+                 f"--sparse-local-blocks {m.sparse_local_blocks}")
 
 
 def _validate_train(t: TrainConfig, m: ModelConfig):

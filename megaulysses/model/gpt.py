@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaulysses.config import ModelConfig
-from megaulysses.model.attention import AttentionCore, sdpa_attention
+from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
 from megaulysses.model.fused import linear, linear_cross_entropy
 from megaulysses.model.layers import MLP, Linear, apply_rotary, build_norm, rotary_angles
 
@@ -35,10 +35,11 @@ class SelfAttention(nn.Module):
         self.k = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
         self.v = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
         self.out = Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
-        self.core = core  # (q, k, v, dropout_p) -> out; replaced by the Ulysses wrapper
+        self.core = core  # (q, k, v, dropout_p, mask) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
 
-    def forward(self, x, rotary):  # x [b, s, h]; rotary: (cos, sin) or None
+    def forward(self, x, rotary, mask: Optional[AttentionMask] = None):
+        # x [b, s, h]; rotary: (cos, sin) or None; mask: over the whole sequence, None: causal
         b, s, _ = x.shape
         # -1 instead of the head count: tensor parallelism leaves a shard of the heads.
         q = self.q(x).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
@@ -47,7 +48,7 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
-        y = self.core(q, k, v, self.dropout if self.training else 0.0)  # [b, s, hq, d]
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, mask)  # [b, s, hq, d]
         return self.out(y.reshape(b, s, -1))  # [b, s, h]
 
 
@@ -62,8 +63,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, x, rotary):  # [b, s, h]; rotary: (cos, sin) [b, s, 1, d/2] or None
-        a = self.attn(self.attn_norm(x), rotary)
+    def forward(self, x, rotary, mask: Optional[AttentionMask] = None):
+        # x [b, s, h]; rotary: (cos, sin) [b, s, 1, d/2] or None
+        a = self.attn(self.attn_norm(x), rotary, mask)
         x = x + F.dropout(a, self.dropout, self.training)
         return x + F.dropout(self.mlp_part(x), self.dropout, self.training)
 
@@ -118,10 +120,13 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, core) for i in range(cfg.num_layers)})
         self.head = Head(cfg)
         self.rope = cfg.position_embedding_type == "rope"
+        self.mask = mask_from_config(cfg)
 
-    def forward(self, tokens, position_ids=None, labels=None):
+    def forward(self, tokens, position_ids=None, labels=None, documents=None):
         """tokens `[b, s]` (or hidden `[b, s, h]` on a later pipeline stage).
 
+        `documents` `[b, S]`: the document id of every token of the whole samples (packed
+        documents, --reset-attention-mask), even where this rank holds a slice of them.
         Returns per-token losses `[b, s]` in fp32 when `labels` is given (the trainer
         reduces them with its loss mask), else logits `[b, s, V]`.
         """
@@ -129,14 +134,20 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).expand(b, s)
         x = self.embed(tokens, position_ids) if self.embed is not None else tokens
-        x = self.run_layers(x, position_ids, self.layers.values())  # [b, s, h]
+        x = self.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s, h]
         return x if self.head is None else self.output(x, labels)
 
-    def run_layers(self, x, position_ids, layers):  # [b, s, h] -> [b, s, h]
+    def run_layers(self, x, position_ids, layers, documents=None):  # [b, s, h] -> [b, s, h]
         rotary = self.rotary(position_ids)
+        mask = self.attention_mask(documents)
         for layer in layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, mask)
         return x
+
+    def attention_mask(self, documents=None) -> Optional[AttentionMask]:
+        """The model's mask with this batch's documents; None for plain causal."""
+        mask = self.mask.with_documents(documents)
+        return None if mask.is_causal else mask
 
     def rotary(self, position_ids) -> Optional[tuple]:
         """RoPE's (cos, sin) `[b, s, 1, d/2]` for these positions, once per forward and

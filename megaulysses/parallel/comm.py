@@ -15,6 +15,8 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
                                      (activations forward, their gradients backward;
                                      torch.distributed.pipelining issues these, counted
                                      in `count_p2p`)
+    ring            N                N = each tensor passed to the next rank of the ring
+                                     (ring attention's key/value blocks and gradients)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
+BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring")
 
 
 class CommStats:
@@ -124,6 +126,20 @@ class Comm:
         for w in works:
             w.wait()
         tensor += received
+
+    def ring_pass(self, tensors: list, dim: str) -> "RingPass":
+        """Start sending `tensors` to the next rank of the `dim` group (rank + 1, wrapping)
+        and receiving the previous rank's; `.wait()` returns what arrived. Started before
+        the work on the current tensors, it overlaps that work."""
+        p, r, group = self.size(dim), self.rank(dim), self.group(dim)
+        nxt = dist.get_global_rank(group, (r + 1) % p)
+        prv = dist.get_global_rank(group, (r - 1) % p)
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
+        for t in tensors:
+            self.stats.add("ring", _nbytes(t))
+        return RingPass(dist.batch_isend_irecv(ops), received)
 
     def count_p2p(self, ops):
         """Count the sends among torch.distributed.pipelining's P2POps (it issues them)."""
@@ -245,6 +261,16 @@ class Comm:
         `set_custom_reduce_scatter`: the same c10d calls FSDP2 makes by default, counted
         here. The reduce-scatter always sums (the caller turns off FSDP's averaging)."""
         return _FsdpAllGather(self.stats), _FsdpReduceScatter(self.stats)
+
+
+class RingPass:
+    def __init__(self, works: list, received: list):
+        self.works, self.received = works, received
+
+    def wait(self) -> list:
+        for w in self.works:
+            w.wait()
+        return self.received
 
 
 class _FsdpAllGather:

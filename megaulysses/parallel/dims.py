@@ -1,8 +1,10 @@
-"""The grid: ParallelDims(dp, tp, pp, sp) -> one DeviceMesh, passed explicitly.
+"""The grid: ParallelDims(dp, tp, pp, sp, cp) -> one DeviceMesh, passed explicitly.
 
-Mesh dims are ("pp", "dp", "sp", "tp"), tp fastest-varying: consecutive ranks share a tp
-group, then an sp group, so both stay inside a node where the bandwidth is. The flattened
-"dp_sp" dim is the group over which the loss, gradients (and, later, ZeRO) are reduced:
+Mesh dims are ("pp", "dp", "cp", "sp", "tp"), tp fastest-varying: consecutive ranks share a
+tp group, then an sp (Ulysses) group, so both stay inside a node where the bandwidth is;
+the ring of cp (context-parallel) ranks, whose traffic is point-to-point and overlaps
+compute, spans further. The sequence degree is sp * cp. The flattened "dp_sp" dim
+(dp x cp x sp) is the group over which the loss, gradients and ZeRO are reduced:
 sequence-parallel ranks hold the same parameters and see different tokens, exactly like
 data-parallel ranks.
 """
@@ -19,9 +21,9 @@ from megaulysses.config import Config, ConfigError, ModelConfig
 
 # The mesh dimension names: every group is named by one of these, and only here are they
 # spelled out.
-PP, DP, SP, TP = "pp", "dp", "sp", "tp"
-DP_SP = "dp_sp"  # dp x sp flattened: the ranks that see different tokens of one model
-MESH_DIMS = (PP, DP, SP, TP)  # slowest- to fastest-varying
+PP, DP, CP, SP, TP = "pp", "dp", "cp", "sp", "tp"
+DP_SP = "dp_sp"  # dp x cp x sp flattened: the ranks that see different tokens of one model
+MESH_DIMS = (PP, DP, CP, SP, TP)  # slowest- to fastest-varying
 
 
 @dataclass(frozen=True)
@@ -30,29 +32,36 @@ class ParallelDims:
     tp: int
     pp: int
     sp: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * self.sp * self.cp
+
+    @property
+    def seq_degree(self) -> int:
+        """Ranks one sample's sequence is split over: Ulysses x ring."""
+        return self.sp * self.cp
 
     @classmethod
-    def from_world(cls, world: int, tp: int = 1, pp: int = 1, sp: int = 1) -> "ParallelDims":
-        """dp is derived: world / (tp * pp * sp), as in Megatron."""
-        model_parallel = tp * pp * sp
+    def from_world(cls, world: int, tp: int = 1, pp: int = 1, sp: int = 1,
+                   cp: int = 1) -> "ParallelDims":
+        """dp is derived: world / (tp * pp * sp * cp), as in Megatron."""
+        model_parallel = tp * pp * sp * cp
         if world % model_parallel:
-            raise ConfigError(
+            flag = "--context-parallel-size" if cp > 1 else (
                 "--tensor-model-parallel-size/--pipeline-model-parallel-size/"
-                "--ds-sequence-parallel-size",
-                f"their product tp*pp*sp = {tp}*{pp}*{sp} = {model_parallel} must divide "
-                f"the world size {world}")
-        return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp)
+                "--ds-sequence-parallel-size")
+            raise ConfigError(flag, f"the product tp*pp*sp*cp = {tp}*{pp}*{sp}*{cp} = "
+                              f"{model_parallel} must divide the world size {world}")
+        return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp, cp=cp)
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "ParallelDims":
         par = cfg.parallel
         return cls.from_world(world, tp=par.tensor_model_parallel_size,
                               pp=par.pipeline_model_parallel_size,
-                              sp=par.ds_sequence_parallel_size)
+                              sp=par.ds_sequence_parallel_size, cp=par.context_parallel_size)
 
     def validate_config(self, cfg: Config):
         """`validate` with the run's flags (the vocabulary size must be known by now)."""
@@ -60,6 +69,7 @@ class ParallelDims:
         self.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
                       par.sequence_parallel and self.tp > 1, par.pipeline_schedule,
                       cfg.memory.tiled_mlp_chunks)
+        self._validate_ring(cfg.model)
 
     def validate(self, m: ModelConfig, global_batch_size: int, micro_batch_size: int,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
@@ -71,9 +81,9 @@ class ParallelDims:
             if size % self.tp:
                 raise ConfigError(flag, f"{flag[2:].replace('-', ' ')} result {size} must be "
                                   f"divisible by {tp_flag} {self.tp}")
-        if sequence_parallel and m.seq_length % (self.tp * self.sp):
+        if sequence_parallel and m.seq_length % (self.tp * self.seq_degree):
             raise ConfigError("--sequence-parallel", f"--seq-length {m.seq_length} must be "
-                              f"divisible by tp*sp = {self.tp * self.sp}")
+                              f"divisible by tp*sp*cp = {self.tp * self.seq_degree}")
         if m.num_attention_heads % (self.tp * self.sp):
             raise ConfigError(sp_flag if self.sp > 1 else tp_flag,
                               f"--num-attention-heads {m.num_attention_heads} must be "
@@ -88,10 +98,14 @@ class ParallelDims:
         if m.seq_length % self.sp:
             raise ConfigError(sp_flag, f"--seq-length {m.seq_length} must be divisible by "
                               f"sp = {self.sp}")
-        local = m.seq_length // self.sp // (self.tp if sequence_parallel else 1)
+        if self.cp > 1 and m.seq_length % (2 * self.cp * self.sp):
+            raise ConfigError("--context-parallel-size", f"--seq-length {m.seq_length} must "
+                              f"be divisible by 2*cp*sp = 2*{self.cp}*{self.sp} (each rank "
+                              "holds two zigzag chunks)")
+        local = m.seq_length // self.seq_degree // (self.tp if sequence_parallel else 1)
         if tiled_mlp_chunks > local or local % tiled_mlp_chunks:
             raise ConfigError("--tiled-mlp-chunks", f"{tiled_mlp_chunks} must divide the "
-                              f"local sequence of {local} tokens (--seq-length / sp"
+                              f"local sequence of {local} tokens (--seq-length / sp / cp"
                               f"{' / tp under --sequence-parallel' if sequence_parallel else ''})")
         if global_batch_size % (micro_batch_size * self.dp):
             raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
@@ -99,6 +113,19 @@ class ParallelDims:
         if self.pp > 1:
             self._validate_micro_batches(global_batch_size // (micro_batch_size * self.dp),
                                          pipeline_schedule)
+
+    def _validate_ring(self, m: ModelConfig):
+        """What ring attention (cp > 1) needs of the mask and the model."""
+        if self.cp == 1:
+            return
+        chunk = m.seq_length // (2 * self.cp)  # one zigzag chunk: a ring step's block rows
+        if m.attention_sparsity != "dense" and chunk % m.sparse_block_size:
+            raise ConfigError("--sparse-block-size", f"{m.sparse_block_size} must divide the "
+                              f"sequence chunk of each ring step, --seq-length / (2*cp) = "
+                              f"{chunk}")
+        if m.attention_dropout:
+            raise ConfigError("--attention-dropout", "ring attention "
+                              "(--context-parallel-size > 1) has no attention dropout")
 
     def _validate_micro_batches(self, n: int, schedule: str):
         """Micro-batches per step = global batch / (micro batch * dp), per schedule."""
@@ -112,11 +139,12 @@ class ParallelDims:
                               f"of pp = {self.pp}")
 
     def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
-        """{"world": the 4-D mesh, PP/DP/SP/TP: its 1-D slices, DP_SP: dp x sp flattened}."""
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
+        """{"world": the 5-D mesh, PP/DP/CP/SP/TP: its 1-D slices, DP_SP: dp x cp x sp
+        flattened}."""
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.sp, self.tp),
                                 mesh_dim_names=MESH_DIMS)
         meshes = {name: mesh[name] for name in MESH_DIMS}
-        meshes[DP_SP] = mesh[DP, SP]._flatten(DP_SP)  # kept: slicing it is deprecated
+        meshes[DP_SP] = mesh[DP, CP, SP]._flatten(DP_SP)  # kept: slicing it is deprecated
         meshes["world"] = mesh
         return meshes
 

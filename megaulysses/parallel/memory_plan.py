@@ -693,7 +693,7 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
 def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _Activations,
                rank: _RankLayout) -> dict:
     """Bytes this rank sends per iteration by collective kind (the module doc's list)."""
-    out = dict.fromkeys(("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p"),
+    out = dict.fromkeys(("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring"),
                         0.0)
     m, layers = rank.m, rank.layers
     forwards = m * (layers + acts.rerun[0])  # layer forwards per iteration

@@ -7,8 +7,9 @@ The transforms, always in this order (each module's docstring says what its step
                         make the stage modules (pp > 1)
     2. tensor parallel  tensor.apply_tensor_parallel: DTensor shards over tp, with Megatron
                         sequence parallelism inside tp when asked (tp > 1)
-    3. Ulysses          ulysses.apply_ulysses: every attention core between two
-                        all-to-alls over sp (sp > 1)
+    3. sequence         ring.apply_context_parallel: every attention core becomes ring
+                        attention over cp (cp > 1); then ulysses.apply_ulysses puts it
+                        between two all-to-alls over sp (sp > 1)
     4. recomputation    recompute.apply_recompute (--recompute-*), then
                         tiling.apply_tiled_mlp (--tiled-mlp-chunks)
     5. ZeRO-2/3         zero.shard_blocks, zero.shard_root: FSDP2 over dp x sp, per block
@@ -45,6 +46,7 @@ from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, PP, TP, ParallelDims
 from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
 from megaulysses.parallel.recompute import apply_recompute
+from megaulysses.parallel.ring import apply_context_parallel
 from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel
 from megaulysses.parallel.ulysses import apply_ulysses
 from megaulysses.parallel.zero import Zero
@@ -77,7 +79,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
         stages = stage_modules(model, layout, ids)
     if dims.tp > 1:  # 2
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
-    apply_ulysses(model, comm)  # 3
+    apply_context_parallel(model, comm)  # 3
+    apply_ulysses(model, comm)
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
                     mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1)
     apply_tiled_mlp(model, mem.tiled_mlp_chunks)
@@ -135,7 +138,7 @@ def _micro_batches(cfg: Config, dims: ParallelDims) -> int:
 def _micro_shape(cfg: Config, dims: ParallelDims, sequence_parallel: bool) -> tuple:
     """(micro-batch, local tokens of a sample, local tokens between blocks, hidden)."""
     m = cfg.model
-    s_tok = m.seq_length // dims.sp
+    s_tok = m.seq_length // dims.seq_degree
     s_hid = s_tok // dims.tp if sequence_parallel else s_tok
     return cfg.train.micro_batch_size, s_tok, s_hid, m.hidden_size
 

@@ -76,11 +76,11 @@ class StageModule(nn.Module):
         self.head = model.head if last else None
         self.__dict__["gpt"] = model  # not a submodule: parameters() is this stage's only
 
-    def forward(self, x, position_ids, labels):
-        # x: tokens [b, s/sp] on the first stage, else hidden [b, s/sp, h]
+    def forward(self, x, position_ids, labels, documents=None):
+        # x: tokens [b, s/sp] on the first stage, else hidden [b, s/sp, h]; documents [b, S]
         if self.first:
             x = self.embed(x, position_ids)
-        x = self.gpt.run_layers(x, position_ids, self.layers.values())  # [b, s/sp, h]
+        x = self.gpt.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s/sp, h]
         return self.gpt.output(x, labels) if self.last else x  # last: losses [b, s/sp]
 
 
@@ -173,6 +173,8 @@ class Pipeline:
         cat = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
         inputs = dict(target=cat["loss_mask"], position_ids=cat["position_ids"],
                       labels=cat["labels"])
+        if "documents" in cat:  # whole-sample document ids [n*b, S], cut like the rest
+            inputs["documents"] = cat["documents"]
         self._sums = []
         if train:
             self.schedule.step(cat["tokens"], return_outputs=False, **inputs)

@@ -59,16 +59,16 @@ def apply_recompute(model, granularity: Optional[str], method: Optional[str] = N
 
 
 class RecomputedCore:
-    """An attention core `(q, k, v, dropout_p) -> out` whose internals backward recomputes:
-    only its inputs are kept."""
+    """An attention core `(q, k, v, dropout_p, mask) -> out` whose internals backward
+    recomputes: only its inputs are kept."""
 
     def __init__(self, core):
         self.core = core
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0):  # [b, S, h/P, d] each
+    def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):  # [b, S, h/P, d] each
         if not torch.is_grad_enabled():
-            return self.core(q, k, v, dropout_p)
-        return checkpoint(self.core, q, k, v, dropout_p, use_reentrant=False)
+            return self.core(q, k, v, dropout_p, mask)
+        return checkpoint(self.core, q, k, v, dropout_p, mask, use_reentrant=False)
 
 
 def layer_groups(n: int, method: str, num_layers: int) -> list[tuple[int, int, bool]]:
@@ -80,13 +80,14 @@ def layer_groups(n: int, method: str, num_layers: int) -> list[tuple[int, int, b
 
 
 def _run_layers(model, method: str, num_layers: int, early_stop: bool, x, position_ids,
-                layers):
+                layers, documents=None):
     layers = list(layers)
     rotary = model.rotary(position_ids)  # shared by every group, kept once
+    mask = model.attention_mask(documents)
 
     def run(first: int, end: int, h):  # [b, s, h] -> [b, s, h]
         for layer in layers[first:end]:
-            h = layer(h, rotary)
+            h = layer(h, rotary, mask)
         return h
 
     for first, end, recomputed in layer_groups(len(layers), method, num_layers):

@@ -70,8 +70,8 @@ def _block_plan(block, sp: bool) -> dict:
         plan["mlp.gate"] = ColwiseParallel()
     # Wrap each sublayer's input once: its gradient (partial sums from q, k, v, or from
     # fc1 and gate) is then reduced in one collective, not one per linear (Megatron's f).
-    plan["attn"] = PrepareModuleInput(input_layouts=(seq, None),  # (x, rotary)
-                                      desired_input_layouts=(Replicate(), None))
+    plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),  # (x, rotary, mask)
+                                      desired_input_layouts=(Replicate(), None, None))
     plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:  # norms on sequence shards; all-gather before each column-parallel group
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})

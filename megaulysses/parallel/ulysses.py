@@ -4,7 +4,10 @@ Each of the P ranks of the "sp" mesh dim holds a slice of the sequence. Before a
 an all-to-all trades the sequence slice for a slice of the heads, so each rank attends
 over the whole sequence for h/P heads with the unchanged core; a second all-to-all trades
 back. Rotary embedding was applied before, with global positions, so nothing here knows
-about positions.
+about positions; the attention mask (model/attention.py) is stated over the whole sequence,
+which is what each rank holds after the first all-to-all, so it passes through unchanged.
+Under Ulysses x Ring (parallel/ring.py) the core is the ring, and "the whole sequence" is
+the ring rank's two zigzag chunks, which the ring knows the positions of.
 
 GQA: kv heads divisible by P are split like q. When P is a multiple of the kv heads,
 each kv head is repeated P/hkv times (not hq/hkv times) before the exchange, so each rank
@@ -27,13 +30,13 @@ from megaulysses.parallel.dims import SP
 
 
 class UlyssesAttention:
-    """A drop-in attention core: `(q, k, v, dropout_p) -> out` on sequence shards."""
+    """A drop-in attention core: `(q, k, v, dropout_p, mask) -> out` on sequence shards."""
 
     def __init__(self, core: AttentionCore, comm: Comm, dim: str = SP):
         self.core, self.comm, self.dim = core, comm, dim
         self.P = comm.size(dim)
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0):  # q [b, S/P, hq, d], k/v [b, S/P, hkv, d]
+    def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):  # q [b, S/P, hq, d], k/v [b, S/P, hkv, d]
         hkv = k.shape[2]
         if hkv % self.P:  # P % hkv == 0 (checked at start-up): one kv head per rank
             rep = self.P // hkv
@@ -41,7 +44,7 @@ class UlyssesAttention:
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = (self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
                    for t in (q, k, v))  # [b, S, h/P, d]
-        out = self.core(q, k, v, dropout_p)  # [b, S, hq/P, d]
+        out = self.core(q, k, v, dropout_p, mask)  # [b, S, hq/P, d]
         return self.comm.all_to_all(out, self.dim, scatter_dim=1, gather_dim=2)  # [b, S/P, hq, d]
 
 

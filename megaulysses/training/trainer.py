@@ -21,18 +21,19 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megaulysses.config import Config, pipeline_layout
+from megaulysses.config import Config, ConfigError, pipeline_layout
 from megaulysses.data.build import build_datasets, load_tokenizer
 from megaulysses.data.loader import BatchBuilder
-from megaulysses.model.attention import sdpa_attention, select_backend
+from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.generate import sample
 from megaulysses.model.gpt import GPT, build_model, count_parameters, parameter_count
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dims import DP, DP_SP, PP, SP, ParallelDims, init_distributed
+from megaulysses.parallel.dims import CP, DP, DP_SP, PP, SP, ParallelDims, init_distributed
 from megaulysses.parallel.grad_norm import unscale_and_clip
 from megaulysses.parallel.memory_plan import format_plan, plan_memory
 from megaulysses.parallel.parallelize import parallelize
 from megaulysses.parallel.pipeline import Pipeline, full_state_dict
+from megaulysses.parallel.ring import local_positions
 from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
@@ -100,7 +101,8 @@ def _forward_backward(model, batches, grad_scale: float, device, dtype, zero: Ze
     for i, b in enumerate(batches):
         b = _on(b, device)
         with autocast(device, dtype):
-            losses = model(b["tokens"], b["position_ids"], b["labels"])  # [b, s/sp] fp32
+            losses = model(b["tokens"], b["position_ids"], b["labels"],
+                           b.get("documents"))  # [b, s/sp] fp32
         micro_sum = (losses * b["loss_mask"]).sum()
         zero.before_backward(last=i == len(batches) - 1)  # the last one reduces as it runs
         (micro_sum * grad_scale).backward()
@@ -144,7 +146,7 @@ def evaluate(model, builder: BatchBuilder, first_sample: int, iters: int, device
 
 
 def _eval_micro(model, b: dict) -> float:
-    losses = model(b["tokens"], b["position_ids"], b["labels"])  # [b, s/sp]
+    losses = model(b["tokens"], b["position_ids"], b["labels"], b.get("documents"))  # [b, s/sp]
     return float((losses * b["loss_mask"]).sum())
 
 
@@ -170,7 +172,7 @@ class Trainer:
         self.dims.validate_config(cfg)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
-        name, core = select_backend(cfg.model.attention_backend, self.device, self.dtype)
+        name, core = attention_backend(cfg, self.dims, self.device, self.dtype)
         with torch.device("meta"):
             model = GPT(cfg.model, core)
         built = parallelize(model, self.dims, self.comm, cfg, self.device, self.dtype,
@@ -199,10 +201,14 @@ class Trainer:
         else:
             self.comm.barrier()
             splits = build_datasets(cfg, self.tokenizer.vocab_size)
+        d = self.dims
+        positions = None if d.seq_degree == 1 else local_positions(
+            cfg.model.seq_length, d.cp, self.comm.rank(CP), d.sp, self.comm.rank(SP))
         make = lambda ds: ds and BatchBuilder(
             ds, t.micro_batch_size, t.global_batch_size, dp_rank=self.comm.rank(DP),
-            dp_size=self.dims.dp, sp_rank=self.comm.rank(SP), sp_size=self.dims.sp,
-            eod=self.tokenizer.eod, eod_mask_loss=cfg.data.eod_mask_loss)
+            dp_size=d.dp, positions=positions, eod=self.tokenizer.eod,
+            eod_mask_loss=cfg.data.eod_mask_loss, reset_position_ids=cfg.data.reset_position_ids,
+            reset_attention_mask=cfg.data.reset_attention_mask)
         self.train_data, self.valid_data, self.test_data = (make(ds) for ds in splits)
 
     def _log_model(self, backend: str):
@@ -216,8 +222,8 @@ class Trainer:
                  m.seq_length, m.vocab_size, m.padded_vocab_size, style,
                  parameter_count(m) / 1e6, backend, self.dtype, self.device)
         d = self.dims
-        log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses)%s", d.world, d.dp,
-                 d.tp, d.pp, d.sp, "; Megatron sequence parallel in tp" if
+        log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses) x cp %d (ring)%s",
+                 d.world, d.dp, d.tp, d.pp, d.sp, d.cp, "; Megatron sequence parallel in tp" if
                  self.sequence_parallel else "")
         self._log_zero()
         mem = self.cfg.memory
@@ -418,7 +424,9 @@ class Trainer:
             state = full_state_dict(self.model, self.comm)
             if self.rank != 0:
                 return None
-            model = build_model(self.cfg.model, sdpa_attention, t.seed, self.device)
+            core = select_backend("auto", self.device, self.dtype,
+                                  mask_from_config(self.cfg.model))[1]
+            model = build_model(self.cfg.model, core, t.seed, self.device)
             model.load_state_dict(state)
         prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
         prompt = prompt or [self.tokenizer.eod]  # start of a new document
@@ -426,6 +434,27 @@ class Trainer:
                      self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
                      seed=t.seed)
         return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
+
+
+def attention_backend(cfg: Config, dims: ParallelDims, device: torch.device,
+                      dtype: torch.dtype) -> tuple[str, object]:
+    """--attention-backend for the model's mask; ConfigError where it cannot run it. Under
+    ring attention (cp > 1) every ring step runs the block kernel whatever is chosen."""
+    m = cfg.model
+    if dims.cp > 1 and m.attention_backend not in ("auto", "block"):
+        raise ConfigError("--attention-backend", f"{m.attention_backend}: ring attention "
+                          "(--context-parallel-size > 1) runs its own block kernel; use auto "
+                          "or block")
+    try:
+        name, core = select_backend(m.attention_backend, device, dtype, mask_from_config(m),
+                                    cfg.data.reset_attention_mask, m.attention_dropout)
+    except ValueError as e:
+        flag, rule = str(e).split(": ", 1)
+        raise ConfigError(flag, rule) from None
+    if dims.cp > 1:
+        log.info("attention: ring over cp = %d, each ring step by the block kernel", dims.cp)
+        name = "ring/block"
+    return name, core
 
 
 COMM_KEYS = {"all_to_all": "a2a"}

@@ -1,0 +1,274 @@
+"""Masked attention by blocks of queries and keys, flash-style, in plain torch ops.
+
+The sequence is cut into blocks of `block` positions. `AttentionMask.block_kinds` classes
+every (query block, key block) pair as SKIP, PARTIAL or FULL from the blocks' position
+ranges alone. For each query block, the key blocks that are not SKIP are taken (a view of
+k and v when they form one range, else gathered) and its scores against them computed in
+one matmul; the element mask is built (and applied) only when one of them is PARTIAL.
+Skipped pairs cost nothing: a sliding window of w tokens computes about
+(w / block + 1) key blocks per query block whatever the length.
+
+Each query block sees all its keys at once, so its softmax is complete within the step
+(no online rescaling). Forward keeps, per query row, only the output and
+lse = logsumexp of its scaled scores over the allowed keys (fp32). Backward recomputes a
+query block's probabilities from them, P = exp(S / sqrt(d) - lse), and with
+delta = rowsum(dO * O) (which equals rowsum(dP * P)) gets dS = P * (dO V^T - delta), so
+nothing of size [s, s] is ever kept: saved are q, k, v, out and lse. At most one query
+block's scores, [b * hq, block, keys attended], exist at a time.
+
+The same steps serve the ring attention (`parallel/ring.py`), where a rank holds only some
+positions: `partial_forward` attends a set of query rows to one set of keys (positions
+`qi`, `kj`), `merge` combines the partials of several key sets by their lse, and
+`partial_backward`, given the final out and lse, returns one key set's share of the
+gradients (the shares over a partition of the keys sum to the full gradient).
+
+GQA: q is viewed as `[b, hkv, s * rep, d]` with rows ordered (position, head in group), so a
+block of positions is a contiguous range of rows served by one kv head, as in
+`fused.block_causal_attention`; the element mask is repeated `rep` times along the rows.
+Scores, softmax statistics, outputs and gradients are fp32 whatever the input dtype; the
+matmuls run in the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator, Optional, Union
+
+import torch
+
+from megaulysses.model.attention import PARTIAL, SKIP, AttentionMask
+
+Keys = Union[slice, torch.Tensor]  # the selected keys: a range, or gathered row indices
+
+
+def attention_block_size(*lengths: int, layout_block: Optional[int] = None,
+                         default: int = 64) -> int:
+    """The largest power of two <= `default` dividing every length (and `layout_block`)."""
+    block = 1 << (max(int(default), 1).bit_length() - 1)
+    while block > 1 and any(n % block for n in (*lengths, layout_block or block)):
+        block //= 2
+    return block
+
+
+# ---- grouping: [b, s, h, d] <-> [b, hkv, s * rep, d] ---------------------------------------
+
+
+def _group_q(x: torch.Tensor, hkv: int) -> torch.Tensor:  # [b, s, hq, d] -> [b, hkv, s*rep, d]
+    b, s, hq, d = x.shape
+    return x.reshape(b, s, hkv, hq // hkv, d).transpose(1, 2).reshape(b, hkv, -1, d)
+
+
+def _ungroup_q(x: torch.Tensor, s: int) -> torch.Tensor:  # [b, hkv, s*rep, d] -> [b, s, hq, d]
+    b, hkv, n, d = x.shape
+    return x.view(b, hkv, s, n // s, d).transpose(1, 2).reshape(b, s, -1, d)
+
+
+def _group_rows(x: torch.Tensor, hkv: int) -> torch.Tensor:  # [b, hq, s] -> [b, hkv, s*rep]
+    b, hq, s = x.shape
+    return x.reshape(b, hkv, hq // hkv, s).transpose(2, 3).reshape(b, hkv, -1)
+
+
+def _ungroup_rows(x: torch.Tensor, s: int) -> torch.Tensor:  # [b, hkv, s*rep] -> [b, hq, s]
+    b, hkv, n = x.shape
+    return x.view(b, hkv, s, n // s).transpose(2, 3).reshape(b, -1, s)
+
+
+def _group_kv(x: torch.Tensor) -> torch.Tensor:  # [b, s, hkv, d] -> [b, hkv, s, d]
+    return x.transpose(1, 2).contiguous()
+
+
+# ---- the plan: which key blocks each query block computes ---------------------------------
+
+
+def _per_sample(mask: AttentionMask, batch: int) -> Iterator[tuple[slice, AttentionMask]]:
+    """(samples, their mask): the whole batch at once, or one sample at a time when the
+    documents (and so the block kinds) differ between samples."""
+    docs = mask.documents
+    if docs is None or docs.shape[0] == 1:
+        yield slice(None), mask
+        return
+    if docs.shape[0] != batch:
+        raise ValueError(f"documents of {docs.shape[0]} samples for a batch of {batch}")
+    for i in range(batch):
+        yield slice(i, i + 1), mask.with_documents(docs[i:i + 1])
+
+
+def _plan(mask: AttentionMask, qi: torch.Tensor, kj: torch.Tensor, block: int, batch: int,
+          rep: int) -> Iterator[tuple[slice, int, Keys, Optional[torch.Tensor]]]:
+    """Yields (samples, query block, keys, allowed) for every query block with a key block
+    to compute; allowed: bool `[1, 1, block * rep, keys]` or None where all are FULL."""
+    for samples, smask in _per_sample(mask, batch):
+        kinds = smask.block_kinds(qi, kj, block)[0].cpu()  # [nq, nk]
+        # A kept block pair passed the layout rule whole (block divides the layout block),
+        # so the element mask needs only the other rules.
+        elements = replace(smask, layout=None)
+        for qb in range(kinds.shape[0]):
+            picked = (kinds[qb] > SKIP).nonzero().flatten()  # [n] key block indices
+            if len(picked) == 0:
+                continue
+            keys = _keys(picked, block, kj.device)
+            allowed = None
+            if bool((kinds[qb, picked] == PARTIAL).any()):
+                q_pos = qi[qb * block:(qb + 1) * block]
+                allowed = elements.allows(q_pos, kj[keys])  # [1, block, K]
+                allowed = allowed.repeat_interleave(rep, dim=1).unsqueeze(1)  # [1, 1, R, K]
+            yield samples, qb, keys, allowed
+
+
+def _keys(picked: torch.Tensor, block: int, device) -> Keys:
+    lo, hi = int(picked[0]), int(picked[-1]) + 1
+    if hi - lo == len(picked):
+        return slice(lo * block, hi * block)
+    offsets = torch.arange(block)
+    return (picked.view(-1, 1) * block + offsets).flatten().to(device)  # [n * block]
+
+
+def computed_pairs(mask: AttentionMask, qi: torch.Tensor, kj: torch.Tensor, block: int,
+                   batch: int = 1) -> int:
+    """(query block, key block) pairs the kernels compute, summed over the per-sample
+    passes (one pass for the whole batch without documents)."""
+    return sum(_count(keys, block)
+               for _, _, keys, _ in _plan(mask, qi, kj, block, batch, rep=1))
+
+
+def _count(keys: Keys, block: int) -> int:
+    n = keys.stop - keys.start if isinstance(keys, slice) else len(keys)
+    return n // block
+
+
+def _take(x: torch.Tensor, keys: Keys) -> torch.Tensor:  # [b, hkv, s, d] -> [b, hkv, K, d]
+    return x[:, :, keys] if isinstance(keys, slice) else x.index_select(2, keys)
+
+
+def _put(dst: torch.Tensor, keys: Keys, src: torch.Tensor) -> None:  # dst[:, :, keys] += src
+    if isinstance(keys, slice):
+        dst[:, :, keys] += src
+    else:
+        dst.index_add_(2, keys, src)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in b's dtype, fp32 result."""
+    return torch.matmul(a.to(b.dtype), b).float()
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 `[b', hkv, R, K]` scores of (scaled) q `[b', hkv, R, d]` against k `[b', hkv, K, d]`,
+    -inf where not allowed."""
+    scores = _mm(q, k.transpose(2, 3))
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    return scores
+
+
+# ---- partials ----------------------------------------------------------------------------
+
+
+def partial_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                    qi: torch.Tensor, kj: torch.Tensor,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q rows (positions qi) over one key set (positions kj), no autograd.
+
+    q `[b, sq, hq, d]`, k and v `[b, sk, hkv, d]`. Returns out `[b, sq, hq, d]` fp32,
+    normalized over this set's allowed keys (0 for rows with none), and lse `[b, hq, sq]`
+    fp32 (-inf for rows with none)."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    rep = hq // hkv
+    qg = _group_q(q, hkv) * d ** -0.5  # [b, hkv, sq*rep, d], scaled
+    kg, vg = _group_kv(k), _group_kv(v)  # [b, hkv, sk, d]
+    out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sq*rep, d]
+    lse = torch.full(qg.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for samples, qb, keys, allowed in _plan(mask, qi, kj, block, b, rep):
+        rows = slice(qb * block * rep, (qb + 1) * block * rep)
+        scores = _scores(qg[samples, :, rows], _take(kg[samples], keys), allowed)  # [b', hkv, R, K]
+        top = scores.amax(dim=-1, keepdim=True)  # [b', hkv, R, 1]
+        top.masked_fill_(top == float("-inf"), 0.0)  # rows with no key: exp(-inf) = 0 below
+        p = scores.sub_(top).exp_()  # [b', hkv, R, K], unnormalized
+        total = p.sum(dim=-1, keepdim=True)  # [b', hkv, R, 1]: >= 1 (the max) or 0
+        out[samples, :, rows] = _mm(p, _take(vg[samples], keys)).div_(total.clamp_min(1.0))
+        lse[samples, :, rows] = (top + total.log()).squeeze(-1)  # log 0 = -inf
+    return _ungroup_q(out, sq), _ungroup_rows(lse, sq)
+
+
+def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dout: torch.Tensor, delta: Optional[torch.Tensor],
+                     mask: AttentionMask, qi: torch.Tensor, kj: torch.Tensor,
+                     block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This key set's share of the gradients, fp32: (dq `[b, sq, hq, d]`, dk and dv
+    `[b, sk, hkv, d]`).
+
+    out `[b, sq, hq, d]` and lse `[b, hq, sq]` are the final ones over all keys; dout
+    `[b, sq, hq, d]`; delta `[b, hq, sq]` = rowsum(dout * out) (computed from out if None).
+    P = exp(S / sqrt(d) - lse), dV = P^T dO, dS = P (dO V^T - delta), dQ = dS K / sqrt(d),
+    dK = dS^T Q / sqrt(d)."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    rep = hq // hkv
+    if delta is None:
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # [b, hq, sq]
+    qg = _group_q(q, hkv) * d ** -0.5  # [b, hkv, sq*rep, d], scaled
+    kg, vg = _group_kv(k), _group_kv(v)  # [b, hkv, sk, d]
+    dog = _group_q(dout, hkv)  # [b, hkv, sq*rep, d]
+    lseg = _group_rows(lse.float(), hkv).unsqueeze(-1)  # [b, hkv, sq*rep, 1]
+    lseg = lseg.masked_fill(lseg == float("-inf"), float("inf"))  # no key at all: P = 0
+    deltag = _group_rows(delta.float(), hkv).unsqueeze(-1)  # [b, hkv, sq*rep, 1]
+    dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sq*rep, d]
+    dk = torch.zeros(kg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sk, d]
+    dv = torch.zeros_like(dk)
+    for samples, qb, keys, allowed in _plan(mask, qi, kj, block, b, rep):
+        rows = slice(qb * block * rep, (qb + 1) * block * rep)
+        qb_, do = qg[samples, :, rows], dog[samples, :, rows]  # [b', hkv, R, d]
+        kb, vb = _take(kg[samples], keys), _take(vg[samples], keys)  # [b', hkv, K, d]
+        p = _scores(qb_, kb, allowed).sub_(lseg[samples, :, rows]).exp_()  # [b', hkv, R, K]
+        _put(dv[samples], keys, _mm(p.transpose(2, 3), do))  # [b', hkv, K, d]
+        ds = _mm(do, vb.transpose(2, 3)).sub_(deltag[samples, :, rows]).mul_(p)  # [b', hkv, R, K]
+        dq[samples, :, rows] = _mm(ds, kb)  # one step per (samples, query block)
+        _put(dk[samples], keys, _mm(ds.transpose(2, 3), qb_))  # q already scaled
+    dq.mul_(d ** -0.5)
+    return _ungroup_q(dq, sq), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor,
+          lse_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partials over disjoint key sets: out `[b, sq, hq, d]`,
+    lse `[b, hq, sq]`, fp32. Rows where both lse are -inf stay out 0, lse -inf."""
+    new = torch.logaddexp(lse, lse_i)  # [b, hq, sq]; -inf where both are
+    base = new.masked_fill(new == float("-inf"), 0.0)
+    w = (lse - base).exp().transpose(1, 2).unsqueeze(-1)  # [b, sq, hq, 1]
+    w_i = (lse_i - base).exp().transpose(1, 2).unsqueeze(-1)
+    return out * w + out_i * w_i, new
+
+
+# ---- whole-sequence core -----------------------------------------------------------------
+
+
+class _MaskedBlockAttention(torch.autograd.Function):
+    """One partial over the whole sequence (qi = kj = 0..s-1): its out and lse are final.
+    Saves q, k, v, out, lse; backward recomputes the scores block by block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: AttentionMask, block: int):
+        pos = torch.arange(q.shape[1], device=q.device)
+        out, lse = partial_forward(q, k, v, mask, pos, pos, block)  # fp32
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.block = mask, block
+        return out  # [b, s, hq, d]
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        pos = torch.arange(q.shape[1], device=q.device)
+        dq, dk, dv = partial_backward(q, k, v, out, lse, dout, None, ctx.mask, pos, pos,
+                                      ctx.block)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def masked_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: AttentionMask) -> torch.Tensor:
+    """Attention core for any mask, no dropout: q `[b, s, hq, d]`, k and v `[b, s, hkv, d]`
+    -> `[b, s, hq, d]` in q's dtype."""
+    layout_block = mask.layout.block if mask.layout is not None else None
+    block = attention_block_size(q.shape[1], layout_block=layout_block)
+    return _MaskedBlockAttention.apply(q, k, v, mask, block)

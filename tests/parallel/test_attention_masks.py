@@ -1,0 +1,107 @@
+"""The mask matrix: causal, packed documents, sliding window and both block-sparse layouts
+train to the same losses on every sequence grid as one process with the plain math
+backend and the same mask.
+
+Grids (8 gloo ranks, one spawn for all of them): Ulysses sp4, ring cp4, hybrid sp2 x cp2,
+tp2 x sp2 x cp2, and sp2 x cp4 (sequence degree 8 with 2 kv heads, ZeRO-3); packed
+documents also on pp2 x sp2 x cp2. A GQA model (8 heads, 2 kv heads), fp32, on a dataset of
+short documents (several per sample) written here in Megatron's format.
+"""
+
+import numpy as np
+import pytest
+
+from dist import run_ranks
+from helpers import read_jsonl, train_losses
+
+LOSS_RTOL = 1e-5
+VOCAB = 250  # NullTokenizer: eod = 250
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "128",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
+         "--lr", "3e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
+         "--eval-interval", "1000", "--generate", "0", "--seed", "5", "--peak-tflops", "1",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--split", "100,0,0"]
+MASKS = {
+    "causal": [],
+    "documents": ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+    "window": ["--window-size", "24"],
+    "fixed": ["--attention-sparsity", "fixed", "--sparse-block-size", "8",
+              "--sparse-local-blocks", "4", "--sparse-global-blocks", "1"],
+    "bigbird": ["--attention-sparsity", "bigbird", "--sparse-block-size", "8",
+                "--sparse-local-blocks", "2", "--sparse-global-blocks", "1",
+                "--sparse-random-blocks", "2"],
+}
+SP, CP, TP = "--ds-sequence-parallel-size", "--context-parallel-size", \
+    "--tensor-model-parallel-size"
+GRIDS = {  # every one on 8 ranks (dp fills the rest)
+    "sp4": [SP, "4"],
+    "cp4": [CP, "4"],
+    "sp2-cp2": [SP, "2", CP, "2"],
+    "tp2-sp2-cp2": [TP, "2", SP, "2", CP, "2"],
+    "sp2-cp4-zero3": [SP, "2", CP, "4", "--zero-stage", "3"],
+}
+EXTRA = {("documents", "pp2-sp2-cp2"): ["--pipeline-model-parallel-size", "2", SP, "2",
+                                          CP, "2"]}
+CASES = [(mask, grid, flags) for mask in MASKS for grid, flags in GRIDS.items()] + [
+    (mask, grid, flags) for (mask, grid), flags in EXTRA.items()]
+
+
+def write_documents(prefix: str, seed: int = 0):
+    """Documents of 3-60 tokens, each ending with EOD: ~4 per 128-token sample."""
+    from megaulysses.data.indexed import IndexedDatasetWriter
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(300):
+            n = int(rng.integers(3, 60))
+            w.add_document(np.append(rng.integers(0, VOCAB, n - 1), VOCAB))
+
+
+def args_for(tmp, mask: str, name: str, flags) -> tuple[str, list]:
+    path = str(tmp / f"{mask}-{name}.jsonl")
+    return path, MODEL + MASKS[mask] + list(flags) + [
+        "--data-path", str(tmp / "docs"), "--data-cache-path", str(tmp / "cache"),
+        "--metrics-jsonl", path]
+
+
+def train_all(rank, world, runs):
+    from megaulysses.config import parse_args
+    from megaulysses.training.trainer import Trainer
+    for args in runs:
+        Trainer(parse_args(args)).train()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("masks")
+    write_documents(str(tmp / "docs"))
+    ref = {}
+    for mask in MASKS:  # one process, the math backend: the reference
+        path, args = args_for(tmp, mask, "ref", ["--attention-backend", "math"])
+        train_all(0, 1, [args])
+        ref[mask] = read_jsonl(path)
+    cases = [args_for(tmp, mask, grid, flags) for mask, grid, flags in CASES]
+    run_ranks(train_all, 8, [args for _, args in cases], timeout=900)
+    got = {(mask, grid): read_jsonl(path) for (mask, grid, _), (path, _) in zip(CASES, cases)}
+    return ref, got
+
+
+@pytest.mark.parametrize("mask,grid", [(m, g) for m, g, _ in CASES],
+                         ids=[f"{m}-{g}" for m, g, _ in CASES])
+def test_grid_equals_one_process(runs, mask, grid):
+    ref, got = runs
+    want, have = train_losses(ref[mask]), train_losses(got[(mask, grid)])
+    assert sorted(have) == [1, 2, 3]
+    for it in want:
+        assert have[it] == pytest.approx(want[it], rel=LOSS_RTOL), (it, have[it], want[it])
+
+
+def test_masks_change_the_loss(runs):
+    """Each mask is really applied: its reference differs from plain causal's by more than
+    fp32 noise (a 2-layer model at initialization leans little on attention: the fixed
+    layout moves the third loss by ~2e-5)."""
+    ref, _ = runs
+    causal = train_losses(ref["causal"])[3]
+    for mask in MASKS:
+        if mask != "causal":
+            assert train_losses(ref[mask])[3] != pytest.approx(causal, rel=5e-6), mask
