@@ -170,9 +170,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
         self.dims.validate_config(cfg)
+        name, core = attention_backend(cfg, self.dims, self.device, self.dtype)
         self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
         self._build_data()
-        name, core = attention_backend(cfg, self.dims, self.device, self.dtype)
         with torch.device("meta"):
             model = GPT(cfg.model, core)
         built = parallelize(model, self.dims, self.comm, cfg, self.device, self.dtype,

@@ -57,9 +57,13 @@ def write_documents(prefix: str, seed: int = 0):
             w.add_document(np.append(rng.integers(0, VOCAB, n - 1), VOCAB))
 
 
+SAVED = ("documents", "sp2-cp2")  # saves at iteration 2: loaded at cp 1 below
+
+
 def args_for(tmp, mask: str, name: str, flags) -> tuple[str, list]:
     path = str(tmp / f"{mask}-{name}.jsonl")
-    return path, MODEL + MASKS[mask] + list(flags) + [
+    save = ["--save", str(tmp / "ck"), "--save-interval", "2"] if (mask, name) == SAVED else []
+    return path, MODEL + MASKS[mask] + list(flags) + save + [
         "--data-path", str(tmp / "docs"), "--data-cache-path", str(tmp / "cache"),
         "--metrics-jsonl", path]
 
@@ -83,7 +87,19 @@ def runs(tmp_path_factory):
     cases = [args_for(tmp, mask, grid, flags) for mask, grid, flags in CASES]
     run_ranks(train_all, 8, [args for _, args in cases], timeout=900)
     got = {(mask, grid): read_jsonl(path) for (mask, grid, _), (path, _) in zip(CASES, cases)}
+    # The checkpoint saved at sp2 x cp2 loads in one process and goes on like it.
+    path, args = args_for(tmp, "documents", "resumed", ["--attention-backend", "math",
+                                                        "--load", str(tmp / "ck" / "iter_0000002")])
+    train_all(0, 1, [args])
+    got[("documents", "resumed")] = read_jsonl(path)
     return ref, got
+
+
+def test_ring_checkpoint_loads_in_one_process(runs):
+    ref, got = runs
+    want, have = train_losses(ref["documents"]), train_losses(got[("documents", "resumed")])
+    assert sorted(have) == [3]
+    assert have[3] == pytest.approx(want[3], rel=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("mask,grid", [(m, g) for m, g, _ in CASES],

@@ -29,8 +29,19 @@ CASES = [  # (world, extra flags, words the message must hold)
      ["--num-query-groups", "--tensor-model-parallel-size 2"]),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33"],
      ["--sequence-parallel", "tp*sp"]),
+    (4, ["--context-parallel-size", "3"], ["--context-parallel-size", "world size 4"]),
+    (4, ["--context-parallel-size", "2", "--ds-sequence-parallel-size", "2", "--seq-length",
+         "36"], ["--context-parallel-size", "2*cp*sp = 2*2*2"]),
+    (2, ["--context-parallel-size", "2", "--attention-sparsity", "fixed",
+         "--sparse-block-size", "16"], ["--sparse-block-size", "(2*cp) = 8"]),
+    (2, ["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     ["--attention-dropout", "ring attention"]),
+    (8, ["--context-parallel-size", "2", "--ds-sequence-parallel-size", "4",
+         "--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups", "3",
+         "--seq-length", "48"], ["kv heads", "sp = 4"]),
 ]
-IDS = ["world", "heads", "kv-groups", "seq", "batch", "tp-kv-groups", "megatron-sp-seq"]
+IDS = ["world", "heads", "kv-groups", "seq", "batch", "tp-kv-groups", "megatron-sp-seq",
+       "cp-world", "cp-seq", "cp-sparse-block", "cp-dropout", "cp-kv-groups"]
 
 
 def grid_error(world: int, flags: list) -> str:
@@ -39,13 +50,8 @@ def grid_error(world: int, flags: list) -> str:
     from megaulysses.parallel.dims import ParallelDims
     cfg = parse_args(TINY + flags)
     cfg.model.vocab_size = 1000  # the trainer takes it from the tokenizer
-    par, t = cfg.parallel, cfg.train
     with pytest.raises(ConfigError) as e:
-        dims = ParallelDims.from_world(world, tp=par.tensor_model_parallel_size,
-                                       pp=par.pipeline_model_parallel_size,
-                                       sp=par.ds_sequence_parallel_size)
-        dims.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
-                      par.sequence_parallel and dims.tp > 1, par.pipeline_schedule)
+        ParallelDims.from_config(cfg, world).validate_config(cfg)
     return str(e.value)
 
 
@@ -78,3 +84,35 @@ def test_torchrun_prints_one_line(world, flags, words):
     assert "megaulysses/" not in proc.stderr and 'pretrain_gpt.py", line' not in proc.stderr
     for w in words:
         assert w in errors[0], errors[0]
+
+
+MASK_BACKEND_CASES = [  # (flags, words): a mask the chosen backend cannot run
+    (["--window-size", "8", "--attention-backend", "sdpa"],
+     ["--window-size", "sdpa attention backend cannot run it", "block"]),
+    (["--reset-attention-mask", "--attention-backend", "sdpa"],
+     ["--reset-attention-mask", "sdpa"]),
+    (["--attention-sparsity", "bigbird", "--sparse-block-size", "8", "--attention-backend",
+      "flash"], ["--attention-backend", "flash"]),
+    (["--window-size", "8", "--attention-dropout", "0.1"], ["--attention-dropout", "block"]),
+    (["--attention-sparsity", "fixed", "--sparse-block-size", "12"],
+     ["--sparse-block-size", "--seq-length 32"]),
+    (["--attention-sparsity", "fixed", "--sparse-local-blocks", "2", "--sparse-global-blocks",
+      "3", "--sparse-block-size", "8"], ["--sparse-global-blocks"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", MASK_BACKEND_CASES,
+                         ids=["window-sdpa", "documents-sdpa", "sparse-flash-on-cpu",
+                              "window-dropout", "sparse-block-seq", "fixed-global"])
+def test_mask_the_backend_cannot_run(tmp_path, capsys, flags, words):
+    import pretrain_gpt
+    rc = pretrain_gpt.main(TINY + flags + ["--data-cache-path", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+def test_ring_with_another_backend_exits_2_on_every_rank():
+    flags = ["--context-parallel-size", "2", "--attention-backend", "sdpa"]
+    assert run_ranks(main_rc, 2, TINY + flags, timeout=120) == [2, 2]

@@ -307,3 +307,12 @@ def test_grid_checkpoint_loads_at_tp2_and_at_pp2(reference, saved_8, tmp_path):
     run_ranks(train_each, 2, [tp_args, pp_args])
     assert_continues(tp_path, reference[0])
     assert_continues(pp_path, reference[0])
+
+
+def test_grid_checkpoint_loads_under_ring_attention(reference, saved_8, tmp_path):
+    """Saved without a ring (cp 1), loaded at cp2: the ring changes no parameter. (The
+    other way, cp2 -> one process, is in test_attention_masks.py.)"""
+    path, args = run_args(tmp_path, "cp2", [], ["--context-parallel-size", "2",
+                                               "--load", saved_8])
+    run_ranks(train_each, 2, [args])
+    assert_continues(path, reference[0])
