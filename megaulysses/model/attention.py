@@ -301,11 +301,11 @@ def flex_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask
     """torch flex_attention (CUDA): the mask as a mask_mod, fully masked blocks skipped by
     its block mask. Compiled once per mask shape."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as flex
     if dropout_p:
         raise ValueError("the flex backend has no dropout")
     mask = mask or AttentionMask()
     b, s, hq, d = q.shape
+    grid = _layout_grid(mask.layout, s, q.device) if mask.layout is not None else None
 
     def mask_mod(bi, h, i, j):
         ok = j <= i
@@ -313,16 +313,22 @@ def flex_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask
             ok = ok & (j > i - mask.window)
         if mask.documents is not None:
             ok = ok & (mask.documents[bi, i] == mask.documents[bi, j])
-        if mask.layout is not None:
-            grid = _layout_grid(mask.layout, s, q.device)
+        if grid is not None:
             ok = ok & grid[i // mask.layout.block, j // mask.layout.block]
         return ok
 
     block_mask = create_block_mask(mask_mod, b if mask.documents is not None else None, None,
                                    s, s, device=q.device)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-    out = flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention runs its fused kernel only compiled (eager is a slow reference)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    return torch.compile(flex, dynamic=False)
 
 
 def _layout_grid(layout: SparseLayout, s: int, device) -> torch.Tensor:
@@ -388,12 +394,15 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
     if name == "auto":
         name = _auto(device, half, [f for f, _ in wanted])
         if name == "cpu":
-            log.info("attention backend: auto -> sdpa (CPU: query-block explicit attention "
-                     "for fp32 without dropout up to seq %d, torch SDPA otherwise; the block "
-                     "backend for masks)", CPU_BLOCK_MAX_SEQ)
-            _check(name="block" if wanted else "sdpa", backend=BACKENDS["block" if wanted
-                   else "sdpa"], device=device, half=half, wanted=wanted, dropout=dropout)
-            return "sdpa" if not wanted else "block", cpu_attention
+            name = "block" if wanted else "sdpa"
+            _check(name, BACKENDS[name], device, half, wanted, dropout)
+            if wanted:
+                log.info("attention backend: auto -> block (CPU, the mask's blocks only)")
+            else:
+                log.info("attention backend: auto -> sdpa (CPU: query-block explicit "
+                         "attention for fp32 without dropout up to seq %d, torch SDPA "
+                         "otherwise)", CPU_BLOCK_MAX_SEQ)
+            return name, cpu_attention
         log.info("attention backend: auto -> %s", name)
     else:
         log.info("attention backend: %s", name)
