@@ -8,12 +8,14 @@ hold, and when. `pretrain_gpt.py --dry-run` prints it for every stage, the train
 it at start-up, and tests/parallel/test_memory_plan.py holds it to within 10% of the live
 tensor bytes real ranks reach (and its communication bytes to what they send).
 
-Notation, per rank: b micro-batch, S sequence, T = b*S/sp tokens of a micro-batch on this
-rank, T' = T/tp between sublayers under Megatron-SP (else T), h hidden, d head dim, hq and
-hkv the q and kv heads of this tensor-parallel rank (/tp), kv = hkv, or max(hkv, sp) when
-Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes of the compute
-dtype (4; 2 under bf16/fp16 autocast), 4 = fp32: the residual stream, norms, rotary
-angles, softmax statistics and every master parameter, gradient and AdamW state are fp32.
+Notation, per rank: b micro-batch, S sequence, C = cp ring ranks, T = b*S/(sp*C) tokens of a
+micro-batch on this rank, T' = T/tp between sublayers under Megatron-SP (else T), h hidden,
+d head dim, hq and hkv the q and kv heads of this tensor-parallel rank (/tp), kv = hkv, or
+max(hkv, sp) when Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes
+of the compute dtype (4; 2 under bf16/fp16 autocast), 4 = fp32: the residual stream, norms,
+rotary angles, softmax statistics and every master parameter, gradient and AdamW state are
+fp32. The attention core holds S/C positions of hq/sp heads: Q = T*hq*d elements of q (and
+of out), K = T*kv*d of k (and v), lse = 4*b*(hq/sp)*S/C bytes of fp32 logsumexp.
 
 Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
     attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
@@ -25,10 +27,15 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  ~S*(S+64)/2, core heads hq/sp; SDPA / flash: q, k, v, out, e*T*(2hq +
                  2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout (its
                  math path): q, k, v + three fp32 S*S per head (probabilities, mask,
-                 dropped); selective: only the core's inputs (the checkpoint), e*T*(hq +
+                 dropped); the block kernel of model/block_attention.py (any mask but plain
+                 causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
+                 lse -- no probabilities; the ring (cp > 1, parallel/ring.py, inside
+                 Ulysses): q, k, v, e*(Q + 2K), its merged output in fp32, 4*Q, and lse;
+                 selective: only the core's inputs (the checkpoint), e*T*(hq +
                  2kv)*d -- everything else is recomputed in backward
-    out input    the out-projection's input, e*T*hq*d (none with SDPA and no Ulysses: SDPA
-                 lays its output out as [b, s, h, d], so that very tensor is saved)
+    out input    the out-projection's input, e*T*hq*d (none without Ulysses when it is the
+                 core's saved output: SDPA's, laid out [b, s, h, d]; the block kernel's
+                 under GQA, ungrouped by a copy; the ring's in fp32)
     mlp norm     as attn norm
     mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
     mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
@@ -39,20 +46,22 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
     block: the first --recompute-num-layers layers of a stage one by one, the rest keep
     everything.
 Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
-computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps the final norm (4*T'*h), the
-loss's input (e*T*h; under autocast also its e-byte copy of the output weight, e*V*h),
-~25 bytes a token of statistics and, when the fused cross entropy has one chunk (T*V <=
-2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a non-last pipeline stage keeps its
-output (4*T'*h) until the micro-batch's backward; the first stage under tp the lookup's
-mask and ids (~9 bytes a token), with dropout the embedding's mask (4*T'*h).
+computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps
+the final norm (4*T'*h), the loss's input (e*T*h; under autocast also its e-byte copy of
+the output weight, e*V*h), ~25 bytes a token of statistics and, when the fused cross
+entropy has one chunk (T*V <= 2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a
+non-last pipeline stage keeps its output (4*T'*h) until the micro-batch's backward; the
+first stage under tp the lookup's mask and ids (~9 bytes a token), with dropout the
+embedding's mask (4*T'*h).
 
 Micro-batches in flight on pipeline rank r: 1f1b min(m, pp - r); gpipe m;
 interleaved-1f1b torch's warm-up + 1 model chunks (a chunk keeps its share of the rank's
 layers); zero-bubble warm-up + 2 (a chunk lives until its weight-gradient pass;
 measured). Later backwards hold as many while forwards remain, and the gradients.
 
-Model states, per rank (rank 0 of dp x sp): P = fp32 bytes of its parameters (its stage,
-its tp shard); ZeRO over N = dp*sp cuts each along dim 0 into ceil(rows/N)-row pieces.
+Model states, per rank (rank 0 of dp x cp x sp): P = fp32 bytes of its parameters (its
+stage, its tp shard); ZeRO over N = dp*cp*sp (the ranks that see different tokens) cuts each
+along dim 0 into ceil(rows/N)-row pieces.
     parameters  stage 0/1: P; 2/3: the padded piece;
                 + autocast's cached e-byte copies of the blocks' weights (stages 0/1);
                 + FSDP's gathered copies (compute dtype): stage 2 (and 2/3 under pp)
@@ -69,7 +78,9 @@ its tp shard); ZeRO over N = dp*sp cuts each along dim 0 into ceil(rows/N)-row p
                 reduced rows and the all-gather of the updated rows (N pieces); FSDP: a
                 block's reduce-scatter input (padded, reduce dtype) beside its gradients
     pipeline    torch's receive buffers, one per micro-batch and direction (4*T'*h each);
-                the step's micro-batches (28 bytes a token), twice under pp (concatenated)
+                the step's micro-batches (28 bytes a token; with packed documents also
+                their int32 ids of the whole samples, 4*b*S, on every rank), twice under
+                pp (concatenated)
 
 The peak is the largest of these moments (the table shows which):
     head backward        the loss's backward, everything kept alive: its dW^T accumulator
@@ -87,37 +98,69 @@ The peak is the largest of these moments (the table shows which):
                          tied embedding's gradient waiting for the embedding's own backward
     core backward        the last layer's attention core backward, the MLP freed: the
                          core's gradients (block kernel: two 64-row gradient blocks; and
-                         under selective recomputation the core's internals again)
+                         under selective recomputation the core's internals again); the
+                         masked block kernel and the ring below
     qkv backward         q, k and v's input gradients summed, the core's freed: dq, dk, dv
                          and three 4*T*h tensors at once under tensor parallelism (DTensor
                          adds out of place; Megatron-SP: T is the whole sequence), two
                          without
-    attention recomputed (full recomputation under Ulysses) the last layer rerunning its
-                         attention: q, k, v before the all-to-all (the caller still holds
-                         them) beside those after it, and the output all-to-all's packing
+    attention recomputed (full recomputation under Ulysses, or with the masked kernel or
+                         the ring) the last layer rerunning its attention: q, k, v before
+                         the all-to-all (the caller still holds them) beside those after
+                         it, and the output all-to-all's packing or the core's forward
+                         working set (below)
     FSDP (stages 2/3, no pp): after the head's backward its unsharded gradients wait for the
                          root unit's reduce-scatter at the end of backward (all moments)
     block reduce-scatter (stages 2/3) right after the last layer's backward
     reduction, step      stage 0/1's buckets, stage 1's all-gather (activations freed)
 
-Communication per iteration, bytes this rank sends, comm.py's conventions: Ulysses
-`ulysses_bytes_per_layer` per layer and micro-batch forward, again backward, and again
-for layers full recomputation reruns; tensor parallel: the sublayer outputs all-reduced
-(e bytes) or under Megatron-SP reduce-scattered with the fp32 normed inputs all-gathered
-(`megatron_sp_bytes_per_layer`), backward the same kinds swapped (input gradients fp32),
-recomputation repeating the forward ones but the group's last MLP output (the checkpoint
-stops at fc2's input; with a tiled MLP it reruns whole, while each chunk's own recompute
-stops at fc2's input), a tiled MLP under Megatron-SP gathering its input again; the
-embedding's and the vocab-parallel loss's collectives; ZeRO (tests/parallel/test_zero.py):
-stage 0 all-reduce of P, stage 1 reduce-scatter and all-gather of N padded pieces, stage 2
-m reduce-scatters and one all-gather, stage 3 m reduce-scatters and m (root + 2 x blocks)
-all-gathers (under pp one each); pipeline: activations forward and gradients backward per
-micro-batch and local stage, the tied embedding's gradient between the first and last
-stage; a few fp64 scalars (token count, loss, grad norm).
+The block kernel's and the ring's working sets (measured, tests/parallel/test_memory_plan.py;
+"scores": a query block's fp32 scores over the most keys it attends in one call, by the
+static mask -- causal: all S (ring: S/C); window w: (ceil((w-1)/B) + 1)*B for blocks of B;
+a sparse layout: its most attended blocks -- per sample with packed documents; alive at
+once: forward two, backward three, as the loop's last block is still referenced):
+    masked backward      dout; k, v grouped (copies), q scaled, dout grouped under GQA,
+                         e*(2K + Q (+ Q)); fp32 dq, dk, dv, 4*(Q + 2K); the scores
+    masked forward       k, v grouped, q scaled, the scores, its fp32 output before a cast
+    ring backward        the larger of its first step and a later one: dout (fp32 copy
+                         under autocast), k, v grouped, q scaled, fp32 dq, dk, dv and dq's
+                         accumulator, the keys and values arriving for the next step, the
+                         scores; later steps also the received ones (C > 2: both), the last
+                         step's dq, dk, dv shares (still referenced), the gradient
+                         accumulators leaving (contiguous copies) and arriving, 4*4K (C > 2:
+                         and the last ones, 4*2K); the zigzag: ring rank c < C-1 meets a
+                         later rank's S/C keys, all of them attended by its late chunk; the
+                         last rank only S/(2C) per later step (`plan_memory(cp_rank=...)`)
+    ring forward         a step's scores with the keys and values arriving (later: also
+                         received), the grouped copies and the step's partial out and lse;
+                         or its merge: the two partials and the weighted sum, 4*4Q
 
-Not modelled: forward-time peaks (the explicit `math`
+Communication per iteration, bytes this rank sends, comm.py's conventions: Ulysses
+`ulysses_bytes_per_layer` over the ring rank's S/C positions per layer and micro-batch
+forward, again backward, and again for layers full recomputation reruns; the ring
+`ring_bytes_per_layer` (kind "ring": k, v forward, (C-1)*2*b*(S/C)*(kv/sp)*d*e; backward
+the same again plus the fp32 gradient accumulators, C*2*b*(S/C)*(kv/sp)*d*4) per layer and
+micro-batch, its forward again for layers full recomputation reruns and, the core being
+the ring, under selective recomputation for every layer; tensor parallel: the sublayer
+outputs all-reduced (e bytes) or under Megatron-SP reduce-scattered with the fp32 normed
+inputs all-gathered (`megatron_sp_bytes_per_layer`), backward the same kinds swapped
+(input gradients fp32), recomputation repeating the forward ones but the group's last MLP
+output (the checkpoint stops at fc2's input; with a tiled MLP it reruns whole, while each
+chunk's own recompute stops at fc2's input), a tiled MLP under Megatron-SP gathering its
+input again; the embedding's and the vocab-parallel loss's collectives; ZeRO over N =
+dp*cp*sp (tests/parallel/test_zero.py): stage 0 all-reduce of P, stage 1 reduce-scatter and
+all-gather of N padded pieces, stage 2 m reduce-scatters and one all-gather, stage 3 m
+reduce-scatters and m (root + 2 x blocks) all-gathers (under pp one each); pipeline:
+activations forward and gradients backward per micro-batch and local stage, the tied
+embedding's gradient between the first and last stage; a few fp64 scalars (token count,
+loss, grad norm).
+
+Not modelled: forward-time peaks outside recomputation (the explicit `math`
 attention backend's S*S temporaries: ~7% above the plan); backend scratch inside
-collectives and kernels.
+collectives and kernels; packed documents' effect on the keys a block attends (the plan
+assumes one document); the ring's later ranks other than the last, which meet their
+most keys only at later steps (rank C-2 at the last one, planned as rank 0: up to ~8%
+above the core's measured backward).
 """
 
 from __future__ import annotations
@@ -130,6 +173,7 @@ import torch
 
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.ring import ring_bytes_per_layer
 from megaulysses.parallel.ulysses import ulysses_bytes_per_layer
 
 MIB = 2 ** 20
@@ -139,6 +183,8 @@ CPU_BLOCK_MAX_SEQ = 1024  # model.attention.cpu_attention's limit for the block 
 BLOCK_ROWS = 64  # fused.block_causal_attention's query block
 CE_BUDGET = {"cpu": 2 ** 23, "cuda": 2 ** 28}  # fused._rows_per_chunk: elements of logits
 BATCH_BYTES_PER_TOKEN = 3 * 8 + 4  # tokens, labels, positions (int64), loss mask (fp32)
+DOCUMENT_ID_BYTES = 4  # the batch's documents: int32 ids of the whole sample, every rank
+LAYOUT_GRID_MAX = 4096  # sparse layouts of more blocks: a bound instead of the grid
 
 # parallel/tensor.py's plan: these weights are split by rows (dim 0; their biases too),
 # those by columns (dim 1; their biases stay whole); everything else is replicated.
@@ -149,10 +195,11 @@ _ROWWISE = ("attn.out.", "mlp.fc2.")
 
 @dataclass
 class MemoryPlan:
-    """Bytes one rank of pipeline stage `pp_rank` holds (rank 0 of its dp x sp group)."""
+    """Bytes one rank of pipeline stage `pp_rank` holds (rank 0 of its dp x cp x sp
+    group)."""
 
     pp_rank: int
-    zero_stage: int  # in effect (0 when dp x sp is one rank)
+    zero_stage: int  # in effect (0 when dp x cp x sp is one rank)
     layers: int  # transformer layers on this rank
     micro_batches: int  # per step
     in_flight: int  # micro-batches (model chunks) whose activations are held at once
@@ -170,20 +217,22 @@ class MemoryPlan:
     layer_terms: dict = field(default_factory=dict)  # what a layer keeps, by term (full
     # recomputation: what it holds while recomputed)
     comm_bytes: dict = field(default_factory=dict)  # collective kind -> bytes/iteration
+    attention: str = ""  # the attention core the plan assumes, in words
 
 
 def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
-                device_type: Optional[str] = None) -> MemoryPlan:
+                device_type: Optional[str] = None, cp_rank: int = 0) -> MemoryPlan:
     """The plan of pipeline rank `pp_rank` (`cfg` validated, `cfg.model.vocab_size` set
     from the tokenizer). `device_type`: where the run would be (None: cuda if available,
     else cpu, as the trainer picks); it decides the attention kernel and the loss's
-    chunks."""
+    chunks. `cp_rank`: the ring rank (the zigzag gives the last one fewer keys per later
+    ring step; rank 0, the default, holds the most)."""
     if cfg.model.vocab_size <= 0:
         raise ValueError("plan_memory needs cfg.model.vocab_size (from the tokenizer)")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     rank = _RankLayout.of(cfg, dims, pp_rank)
-    s = _shape(cfg, dims, device_type)
-    states = _States(_stage_params(cfg, dims, rank), rank.zero_stage, dims.dp * dims.sp,
+    s = _shape(cfg, dims, device_type, cp_rank)
+    states = _States(_stage_params(cfg, dims, rank), rank.zero_stage, _zero_ranks(dims),
                      dims.pp > 1, s, cfg)
     acts = _Activations(s, cfg, rank)
     moments = _moments(states, acts, rank, _held_outside_model(s, rank, dims.pp))
@@ -195,7 +244,7 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         param_bytes=peak["params"], grad_bytes=peak["grads"],
         optimizer_bytes=peak["optimizer"], activation_bytes_per_layer=acts.per_layer,
         activation_bytes=peak["activations"], transient_bytes=peak["transient"],
-        peak_bytes=sum(peak.values()), peak_moment=name,
+        peak_bytes=sum(peak.values()), peak_moment=name, attention=_describe(s),
         moments={k: sum(v.values()) for k, v in moments.items()}, layer_terms=acts.terms,
         comm_bytes=comm_bytes(cfg, dims, s, states, acts, rank))
 
@@ -232,7 +281,12 @@ class _RankLayout:
         return cls(ids=ids, stage_layers=tuple(len(layout[i]) for i in ids), first=0 in ids,
                    last=len(layout) - 1 in ids, m=m,
                    in_flight=_in_flight(schedule, dims.pp, pp_rank, m, len(ids)),
-                   zero_stage=par.zero_stage if dims.dp * dims.sp > 1 else 0)
+                   zero_stage=par.zero_stage if _zero_ranks(dims) > 1 else 0)
+
+
+def _zero_ranks(dims: ParallelDims) -> int:
+    """N: the ranks that reduce gradients and shard ZeRO's states (dp x cp x sp)."""
+    return dims.dp * dims.cp * dims.sp
 
 
 def _in_flight(schedule: Optional[str], pp: int, rank: int, m: int, chunks: int) -> int:
@@ -272,13 +326,20 @@ class _Shape:
     e: int  # bytes of the compute dtype
     tp: int
     sp: int
+    cp: int  # C: ring ranks
     mega_sp: bool
     swiglu: bool
     rope: bool
     layernorm: bool
     hidden_dropout: bool
-    kernel: str  # block | sdpa | sdpa-math | math
+    kernel: str  # block | masked | ring | sdpa | sdpa-math | math
     ce_rows: int  # rows of a cross-entropy chunk
+    block: int = 64  # masked / ring: the kernel's block of query (and key) positions
+    keys: int = 0  # masked / ring: the most keys one query block attends in one call
+    # (the ring: at its first step, the rank's own keys)
+    keys_later: int = 0  # the ring's later steps: the most keys of another rank's
+    run_later: int = 1  # ... and how many query blocks of one call attend that many
+    documents: bool = False  # the batch carries packed documents' ids
 
     @property
     def ce_kept(self) -> bool:
@@ -289,35 +350,137 @@ class _Shape:
     def core_heads(self) -> int:
         return self.hq // self.sp
 
+    @property
+    def Sc(self) -> int:
+        """The positions the attention core holds per sample: S, or S/C in the ring."""
+        return self.S // self.cp
 
-def _shape(cfg: Config, dims: ParallelDims, device_type: str) -> _Shape:
+    @property
+    def Q(self) -> int:
+        """Elements of the core's q (and out): b * Sc * hq/sp * d = T*hq*d."""
+        return self.T * self.hq * self.d
+
+    @property
+    def K(self) -> int:
+        """Elements of the core's k (and v)."""
+        return self.T * self.kv * self.d
+
+    @property
+    def rep(self) -> int:
+        """q heads per kv head in the core."""
+        return max(1, self.hq // self.kv)
+
+    @property
+    def lse(self) -> int:
+        """Bytes of the core's fp32 logsumexp, [b, hq/sp, Sc]."""
+        return F32 * self.b * self.core_heads * self.Sc
+
+    def scores(self, later: bool = False, backward: bool = True) -> int:
+        """Bytes of the query blocks' fp32 scores alive at once in the masked kernel or a
+        ring step (the first, or a later one): forward this block's and the last one's (its
+        probabilities, still referenced), backward also the last one's dS -- where the
+        call computes more than one block of the most keys (measured). Per sample when
+        packed documents make the samples' blocks differ."""
+        keys, run = (self.keys_later, self.run_later) if later else (self.keys, 2)
+        one = F32 * (1 if self.documents else self.b) * self.core_heads * self.block * keys
+        return one * ((3 if backward else 2) if run > 1 else (2 if backward else 1))
+
+
+def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) -> _Shape:
     m, t = cfg.model, cfg.train
-    tp, sp = dims.tp, dims.sp
+    tp, sp, cp = dims.tp, dims.sp, dims.cp
     mega_sp = cfg.parallel.sequence_parallel and tp > 1
-    T = t.micro_batch_size * m.seq_length // sp
+    T = t.micro_batch_size * m.seq_length // (sp * cp)
+    kernel = _kernel(cfg, dims, device_type)
+    blocks = _blocks(m, cp, cp_rank) if kernel in ("masked", "ring") else (64, 0, 0, 1)
     hkv = m.num_kv_heads // tp
     V = m.padded_vocab_size // tp
     return _Shape(b=t.micro_batch_size, S=m.seq_length, T=T, Tr=T // tp if mega_sp else T,
                   h=m.hidden_size, d=m.head_dim, hq=m.num_attention_heads // tp, hkv=hkv,
                   kv=max(hkv, sp) if sp > 1 and hkv % sp else hkv, f=m.ffn_size // tp, V=V,
-                  e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, mega_sp=mega_sp,
+                  e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, cp=cp, mega_sp=mega_sp,
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
-                  kernel=_kernel(cfg, device_type),
+                  kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
+                  run_later=blocks[3],
+                  documents=cfg.data.reset_attention_mask,
                   ce_rows=max(1, min(T, CE_BUDGET.get(device_type, CE_BUDGET["cuda"]) // V)))
 
 
-def _kernel(cfg: Config, device_type: str) -> str:
-    """The attention core `select_backend` and `cpu_attention` run."""
+def _describe(s: _Shape) -> str:
+    """The attention core of the plan, in words (for the table)."""
+    names = {"block": "CPU query-block kernel (causal, keeps probabilities)",
+             "masked": "block kernel", "ring": f"ring over cp {s.cp}, block kernel",
+             "sdpa": "SDPA / flash (keeps the logsumexp)",
+             "sdpa-math": "SDPA math path (dropout)", "math": "math (explicit scores)"}
+    words = names[s.kernel]
+    if s.kernel in ("masked", "ring"):
+        words += f", blocks of {s.block}, <= {s.keys} keys a query block"
+    return words
+
+
+def _masked(cfg: Config) -> bool:
+    """A mask other than plain causal: window, block-sparse layout or packed documents."""
+    m = cfg.model
+    return (m.window_size is not None or m.attention_sparsity != "dense"
+            or cfg.data.reset_attention_mask)
+
+
+def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
+    """The attention core `select_backend`, `cpu_attention` and the ring run."""
     m, half = cfg.model, cfg.train.bf16 or cfg.train.fp16
+    if dims.cp > 1:
+        return "ring"  # parallel/ring.py, whatever the backend (and inside Ulysses)
     if m.attention_backend == "math":
         return "math"
+    if m.attention_backend == "block" or (device_type == "cpu" and _masked(cfg)
+                                          and m.attention_backend == "auto"):
+        return "masked"  # model/block_attention.py: masked_block_attention
+    if m.attention_backend in ("flash", "flex"):
+        return "sdpa"  # both keep q, k, v, out and the logsumexp
     if (device_type == "cpu" and m.attention_backend == "auto" and not half
             and m.attention_dropout == 0 and m.seq_length <= CPU_BLOCK_MAX_SEQ):
         return "block"
     if device_type == "cpu" and m.attention_dropout > 0:
         return "sdpa-math"  # CPU SDPA has no fused kernel with dropout
     return "sdpa"  # torch SDPA or flash_attn: both keep the logsumexp only
+
+
+def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
+    """(block, keys, keys_later, run_later) of the block kernel (model/block_attention.py):
+    its block of positions (ring: over the S/(2C) positions of a zigzag chunk), the most keys
+    one query block attends in one call (the whole sequence; the ring's first step: the
+    rank's own S/C), bounded by the static mask; the ring's later steps: another rank's
+    keys, of which ring rank c's late chunk attends all S/C where that rank comes later
+    (ranks c < C-1 meet one), else (rank C-1) both its chunks attend S/(2C); and how many
+    query blocks attend that many."""
+    from megaulysses.model.attention import mask_from_config
+    from megaulysses.model.block_attention import attention_block_size
+    S = m.seq_length
+    layout = mask_from_config(m).layout
+    layout_block = layout.block if layout is not None else None
+    chunk = S // (2 * cp)
+    block = attention_block_size(chunk if cp > 1 else S, layout_block=layout_block)
+    bound = S
+    if m.window_size is not None:  # keys (i - w, i] of a block's rows: ceil((w-1)/B) + 1 blocks
+        bound = min(bound, (-(-(m.window_size - 1) // block) + 1) * block)
+    if layout is not None:  # a layout block attended: all its positions
+        bound = min(bound, _layout_blocks_attended(layout, S // layout.block) * layout.block)
+    if cp == 1:
+        return block, min(bound, S), min(bound, S), S // block
+    last = cp_rank == cp - 1
+    later = min(bound, chunk if last else 2 * chunk)
+    return block, min(bound, 2 * chunk), later, (2 if last else 1) * chunk // block
+
+
+def _layout_blocks_attended(layout, n: int) -> int:
+    """The most layout blocks one query block attends (over n blocks): from the layout's
+    grid, or beyond LAYOUT_GRID_MAX blocks its rule's bound."""
+    if n <= LAYOUT_GRID_MAX:
+        return int(layout.blocks(n).sum(dim=1).max())
+    if layout.kind == "bigbird":
+        return min(n, layout.local + layout.global_ + layout.random)
+    return min(n, layout.local + layout.global_ * (n // layout.local))
 
 
 # -- parameters and model states ---------------------------------------------------------------
@@ -360,7 +523,7 @@ class _Sizes:
 
 
 class _States:
-    """Parameters, gradients and optimizer states of this rank (rank 0 of dp x sp), and
+    """Parameters, gradients and optimizer states of this rank (rank 0 of dp x cp x sp), and
     the ZeRO working sets, in bytes (the module doc's "Model states")."""
 
     def __init__(self, params: list, stage: int, n: int, pipeline: bool, s: _Shape,
@@ -426,7 +589,7 @@ class _States:
         return rs_in + max(self.block * self.gather_e // F32, rs_in // self.n)
 
     def reduction(self) -> dict:
-        """{moment: (gradients, working set)} of the dp x sp reduction and the step."""
+        """{moment: (gradients, working set)} of the dp x cp x sp reduction and the step."""
         if self.n == 1 or self.stage >= 2:
             return {"step": (self.grads_accumulated(), 0)}
         last_local, last_padded = self.buckets[-1]
@@ -531,18 +694,23 @@ class _Activations:
         out["mlp backward"] = live + mlp
         freed = sum(v for k, v in self.terms.items() if k.startswith("mlp") or k == "out input")
         core = _core_backward(s)
-        if self.recompute == "selective":
-            core += sum(_core_terms(s).values())
+        if self.recompute == "selective":  # the core's internals again (the ring's and the
+            # masked kernel's inputs are the checkpoint's, already kept)
+            core += sum(_core_terms(s).values()) - (
+                s.e * (s.Q + 2 * s.K) if s.kernel in ("ring", "masked") else 0)
         out["core backward"] = live - freed + stream + core
         # q, k and v's input gradients summed: two partial sums and the total at once (under
         # tensor parallelism DTensor's accumulation is out of place; else in place, two).
         core_in = sum(v for k, v in self.terms.items() if k.startswith("core"))
         qkv = s.e * s.T * (s.hq + 2 * s.kv) * s.d + (3 if s.tp > 1 else 2) * F32 * s.T * s.h
         out["qkv backward"] = live - freed - core_in + stream + qkv
-        if self.recompute == "full" and s.sp > 1:
-            out["attention recomputed"] = live - self._mlp_of_layer() + stream + (
-                # the caller's q, k, v before the all-to-all, the output all-to-all's packing
-                s.e * s.T * (s.hq + 2 * s.kv) * s.d + s.e * s.T * s.hq * s.d)
+        if self.recompute == "full" and (s.sp > 1 or _core_forward(s)):
+            # the caller's q, k, v before the all-to-all, beside the core's forward working
+            # set, then the output all-to-all's packing
+            ulysses = s.e * s.T * (s.hq + 2 * s.kv) * s.d if s.sp > 1 else 0
+            packing = s.e * s.T * s.hq * s.d if s.sp > 1 else 0
+            out["attention recomputed"] = live - self._mlp_of_layer() + stream + ulysses + max(
+                packing, _core_forward(s))
         return out
 
     def _mlp_of_layer(self) -> int:
@@ -569,7 +737,7 @@ def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
         t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
     else:
         t.update(_core_terms(s))
-    if selective or s.kernel != "sdpa" or s.sp > 1:
+    if not _core_out_is_saved(s, selective):
         t["out input"] = s.e * s.T * s.hq * s.d
     if chunks > 1:
         t["mlp (tiled) input"] = F32 * s.Tr * s.h
@@ -578,6 +746,17 @@ def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     if s.hidden_dropout:
         t["dropout masks"] = 2 * F32 * s.Tr * s.h
     return t
+
+
+def _core_out_is_saved(s: _Shape, selective: bool) -> bool:
+    """The out-projection's input is the very tensor the core saves (no Ulysses between
+    them, no recomputation): SDPA's output; the masked kernel's where it is contiguous (with
+    GQA its ungrouping copies; without, it is a strided view, and the projection's reshape
+    copies it); the ring's merged fp32 output when it needs no cast."""
+    if selective or s.sp > 1:
+        return False
+    return (s.kernel == "sdpa" or (s.kernel == "masked" and s.rep > 1)
+            or (s.kernel == "ring" and s.e == F32))
 
 
 def _norm(s: _Shape) -> int:
@@ -593,6 +772,9 @@ def _linear_input(s: _Shape, linears: int) -> int:
 def _core_terms(s: _Shape) -> dict:
     qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
     square = F32 * s.b * s.core_heads * s.S * s.S
+    if s.kernel == "ring":  # q, k, v as given; out merged in fp32, and its logsumexp
+        return {"core q,k,v": s.e * (s.Q + 2 * s.K), "core out+lse (fp32)":
+                F32 * s.Q + s.lse}
     if s.kernel == "block":
         return {"core q,k,v,out": F32 * qkv_out, "core probabilities": F32 * _probs(s)}
     if s.kernel == "math":
@@ -600,7 +782,7 @@ def _core_terms(s: _Shape) -> dict:
     if s.kernel == "sdpa-math":
         return {"core q,k,v": s.e * s.T * (s.hq + 2 * s.kv) * s.d,
                 "core probabilities": 3 * square}
-    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": F32 * s.b * s.core_heads * s.S}
+    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": s.lse}  # sdpa, masked
 
 
 def _probs(s: _Shape) -> int:
@@ -611,12 +793,72 @@ def _probs(s: _Shape) -> int:
 
 
 def _core_backward(s: _Shape) -> int:
-    """The core's backward working set: dq, dk, dv, dout (and the block kernel's two
-    gradient blocks of 64 query rows)."""
+    """The core's backward working set beyond what it keeps: dq, dk, dv, dout (and the
+    block kernel's two gradient blocks of 64 query rows; the masked kernel's and the ring's
+    below)."""
     qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
     if s.kernel == "block":
         return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
+    if s.kernel == "masked":
+        return _masked_backward(s)
+    if s.kernel == "ring":
+        return _ring_backward(s)
     return s.e * qkv
+
+
+def _masked_backward(s: _Shape) -> int:
+    """model/block_attention.py's partial_backward over the whole sequence (measured): dout;
+    k, v grouped (copies) and q grouped and scaled; dout grouped (a copy with GQA); fp32 dq,
+    dk, dv; the query blocks' scores (`_Shape.scores`; a half more under autocast: the
+    matmuls' casts); a few row statistics."""
+    e, blk = s.e, s.scores()
+    grouped = 2 * e * s.K + e * s.Q + (e * s.Q if s.rep > 1 else 0)  # k, v, q, dout
+    grads = F32 * (s.Q + 2 * s.K)
+    return e * s.Q + grouped + grads + blk + (blk // 6 if e != F32 else 0) + 3 * s.lse
+
+
+def _ring_backward(s: _Shape) -> int:
+    """parallel/ring.py's backward (measured), the larger of its first step and a later one:
+    dout (and its fp32 copy under autocast, grouped with GQA); the keys and values
+    arriving for the next step (later: also this step's, received; C > 2 both); the
+    step's partial_backward: k, v grouped, q scaled, fp32 dq, dk, dv, the query blocks'
+    scores; dq's accumulator; later also the last step's dq, dk, dv shares still
+    referenced, the dk, dv leaving (contiguous copies) and the accumulators arriving (C > 2:
+    and the last ones still referenced); row statistics."""
+    e, more = s.e, s.cp > 2
+    common = (e * s.Q + (F32 * s.Q if e != F32 else 0) + (F32 * s.Q if s.rep > 1 else 0)
+              + 2 * e * s.K + e * s.Q + F32 * (2 * s.Q + 2 * s.K) + 3 * s.lse)
+    cast = 1 / 6 if e != F32 else 0  # under autocast: a block's probabilities cast
+    first = common + 2 * e * s.K + int(s.scores() * (1 + cast))
+    later = (common + 2 * e * s.K * (2 if more else 1) + F32 * (s.Q + 2 * s.K)
+             + F32 * s.K * (4 + (2 if more else 0)) + int(s.scores(later=True) * (1 + cast)))
+    return max(first, later)
+
+
+def _core_forward(s: _Shape) -> int:
+    """The core's forward working set beyond what it keeps (0 where small): the masked
+    kernel's k, v grouped, q scaled, the query blocks' scores (under autocast also one's
+    cast), its fp32 output before the cast; the ring at a step's scores (the keys and
+    values arriving and, later steps, those received; partial_forward's grouped copies,
+    this step's partial out and lse, C > 2 the last step's still referenced) or at its
+    merge (the two partials and the weighted sum: four of out's size beyond the result)."""
+    e = s.e
+    if s.kernel == "masked":  # its fp32 output, grouped, becomes the kept one (or its cast)
+        blk = s.scores(backward=False)
+        return (2 * e * s.K + e * s.Q + blk + (F32 - e) * s.Q
+                + (blk // 4 if e != F32 else 0))  # the probabilities cast for the matmul
+    if s.kernel != "ring":
+        return 0
+    step = 2 * e * s.K + e * s.Q + F32 * s.Q + s.lse  # grouped, scaled; the partial
+    arriving = 2 * e * s.K
+    cast = 1 / 4 if e != F32 else 0  # under autocast: a block's probabilities cast
+    first = arriving + step + int(s.scores(backward=False) * (1 + cast))
+    later = (arriving * (2 if s.cp > 2 else 1) + step
+             + int(s.scores(later=True, backward=False) * (1 + cast)))
+    if s.cp > 2:  # the last step's partial, still referenced beside the merged one
+        later += F32 * s.Q + s.lse
+    merge = arriving * (2 if s.cp > 2 else 1) + 4 * F32 * s.Q + 2 * s.lse
+    return max(first, later, merge)
 
 
 def _mlp_terms(s: _Shape) -> dict:
@@ -639,7 +881,9 @@ def _held_outside_model(s: _Shape, rank: _RankLayout, pp: int) -> int:
     """The step's micro-batches (concatenated once more under pp) and the pipeline's
     receive buffers: activations into every stage but the first, gradients into every
     stage but the last, one per micro-batch each."""
-    batches = rank.m * s.T * BATCH_BYTES_PER_TOKEN * (2 if pp > 1 else 1)
+    per_micro = s.T * BATCH_BYTES_PER_TOKEN + (
+        DOCUMENT_ID_BYTES * s.b * s.S if s.documents else 0)  # the whole samples' ids
+    batches = rank.m * per_micro * (2 if pp > 1 else 1)
     if pp == 1:
         return batches
     receives = 2 * rank.chunks - rank.first - rank.last
@@ -697,9 +941,14 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
                         0.0)
     m, layers = rank.m, rank.layers
     forwards = m * (layers + acts.rerun[0])  # layer forwards per iteration
-    if s.sp > 1:
-        a2a = ulysses_bytes_per_layer(s.b, s.S, s.hq, s.hkv, s.d, s.sp, s.e)
+    if s.sp > 1:  # over the ring rank's S/C positions
+        a2a = ulysses_bytes_per_layer(s.b, s.Sc, s.hq, s.hkv, s.d, s.sp, s.e)
         out["all_to_all"] += a2a * (forwards + m * layers)
+    if s.cp > 1:  # the ring: keys and values forward, again with their gradients backward;
+        # its forward reruns with the layer (full) or the core (selective) recomputed
+        fwd, bwd = ring_bytes_per_layer(s.b, s.S, s.kv // s.sp, s.d, s.cp, s.e)
+        rings = forwards + (m * layers if acts.recompute == "selective" else 0)
+        out["ring"] += fwd * rings + bwd * m * layers
     if s.tp > 1:
         # Sublayer outputs reduced beyond two per layer forward: recompute.py's early stop
         # skips each group's last fc2 (with a tiled MLP it is off: the group reruns whole)
@@ -746,7 +995,8 @@ def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwa
 
 
 def _zero(out: dict, st: _States, m: int):
-    """Gradients over dp x sp: N ranks, each collective moving (N-1)/N of its buffer."""
+    """Gradients over dp x cp x sp: N ranks, each collective moving (N-1)/N of its
+    buffer."""
     if st.n == 1:
         return
     frac, whole = (st.n - 1) / st.n, st.n * st.piece  # padded: what ZeRO moves
@@ -780,7 +1030,7 @@ def _pipeline_p2p(out: dict, cfg: Config, s: _Shape, st: _States, rank: _RankLay
 def _scalars(out: dict, dims: ParallelDims):
     """The token count, the loss and the gradient norm: a few fp64 numbers."""
     ring = lambda p, nbytes: 2 * nbytes * (p - 1) / p  # noqa: E731
-    out["all_reduce"] += (3 * ring(dims.dp * dims.sp, 8) + 2 * ring(dims.pp, 8)
+    out["all_reduce"] += (3 * ring(_zero_ranks(dims), 8) + 2 * ring(dims.pp, 8)
                           + ring(dims.tp, 16))
 
 
@@ -799,6 +1049,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [f"memory plan, pipeline rank {plan.pp_rank}: {plan.layers} layers, ZeRO stage "
              f"{plan.zero_stage}, {plan.micro_batches} micro-batches of {plan.tokens} tokens "
              "per rank; MiB per rank"]
+    if plan.attention:
+        lines.append(f"  attention core: {plan.attention}")
     lines += [f"  {name:<{width}}  {mib(n):>12}" for name, n in rows]
     terms = ", ".join(f"{k} {mib(v)}" for k, v in plan.layer_terms.items())
     held = sum(plan.layer_terms.values())

@@ -56,8 +56,28 @@ def _header(cfg: Config, dims: ParallelDims) -> str:
                      f"{mem.recompute_num_layers})"
     device = "cuda" if torch.cuda.is_available() else "cpu"  # as the trainer would pick
     return (f"dry run: world {dims.world} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp} x sp "
-            f"{dims.sp}{' (Megatron-SP in tp)' if par.sequence_parallel and dims.tp > 1 else ''}"
-            f"; ZeRO stage {par.zero_stage}; {m.num_layers} layers, hidden {m.hidden_size}, "
-            f"{m.num_attention_heads} heads, seq {m.seq_length}, vocab {m.padded_vocab_size} "
-            f"(padded); {dtype}; recompute {recompute}; MLP tiles {mem.tiled_mlp_chunks}; "
-            f"planned for {device}; flags and grid valid, nothing allocated")
+            f"{dims.sp} x cp {dims.cp}"
+            f"{' (Megatron-SP in tp)' if par.sequence_parallel and dims.tp > 1 else ''}"
+            f"; ZeRO stage {par.zero_stage} over dp*cp*sp = {dims.dp * dims.cp * dims.sp}; "
+            f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+            f"seq {m.seq_length} ({m.seq_length // dims.seq_degree} tokens a rank), vocab "
+            f"{m.padded_vocab_size} (padded); mask {_mask(cfg)}; {dtype}; recompute "
+            f"{recompute}; MLP tiles {mem.tiled_mlp_chunks}; planned for {device}; flags and "
+            "grid valid, nothing allocated")
+
+
+def _mask(cfg: Config) -> str:
+    """The attention mask in words: causal, and the window, sparse layout, documents."""
+    m, data = cfg.model, cfg.data
+    parts = ["causal"]
+    if m.window_size is not None:
+        parts.append(f"window {m.window_size}")
+    if m.attention_sparsity != "dense":
+        extra = f", random {m.sparse_random_blocks}" if m.attention_sparsity == "bigbird" else ""
+        parts.append(f"{m.attention_sparsity} sparsity (blocks of {m.sparse_block_size}: local "
+                     f"{m.sparse_local_blocks}, global {m.sparse_global_blocks}{extra})")
+    if data.reset_attention_mask:
+        parts.append("packed documents")
+    if data.reset_position_ids:
+        parts.append("positions restart per document")
+    return " + ".join(parts)

@@ -2,9 +2,10 @@
 train to the same losses on every sequence grid as one process with the plain math
 backend and the same mask.
 
-Grids (8 gloo ranks, one spawn for all of them): Ulysses sp4, ring cp4, hybrid sp2 x cp2,
-tp2 x sp2 x cp2, and sp2 x cp4 (sequence degree 8 with 2 kv heads, ZeRO-3); packed
-documents also on pp2 x sp2 x cp2. A GQA model (8 heads, 2 kv heads), fp32, on a dataset of
+Grids (8 gloo ranks, one spawn for all of them): Ulysses sp4, ring cp4 (with selective
+recomputation), hybrid sp2 x cp2, tp2 x sp2 x cp2 (Megatron-SP in tp, full recomputation),
+and sp2 x cp4 (sequence degree 8 with 2 kv heads, ZeRO-3); packed documents also on
+pp2 x sp2 x cp2. A GQA model (8 heads, 2 kv heads), fp32, on a dataset of
 short documents (several per sample) written here in Megatron's format.
 """
 
@@ -34,11 +35,12 @@ MASKS = {
 }
 SP, CP, TP = "--ds-sequence-parallel-size", "--context-parallel-size", \
     "--tensor-model-parallel-size"
-GRIDS = {  # every one on 8 ranks (dp fills the rest)
+GRIDS = {  # every one on 8 ranks (dp fills the rest); recomputation changes no loss
     "sp4": [SP, "4"],
-    "cp4": [CP, "4"],
+    "cp4-selective": [CP, "4", "--recompute-activations"],
     "sp2-cp2": [SP, "2", CP, "2"],
-    "tp2-sp2-cp2": [TP, "2", SP, "2", CP, "2"],
+    "tp2-sp2-cp2-megatron-sp-full": [TP, "2", SP, "2", CP, "2", "--sequence-parallel",
+                                     "--recompute-granularity", "full"],
     "sp2-cp4-zero3": [SP, "2", CP, "4", "--zero-stage", "3"],
 }
 EXTRA = {("documents", "pp2-sp2-cp2"): ["--pipeline-model-parallel-size", "2", SP, "2",

@@ -11,7 +11,9 @@ must match the plan's `comm_bytes` per kind.
 
 The models are small (2 layers, hidden 64, 4 heads, vocab 512) at seq 256 and micro-batch
 2, so activations are most of the peak (the CPU block kernel's probabilities included);
-one spawn per world size runs all of its grids. `-s` prints the table.
+one spawn per world size runs all of its grids. `-s` prints the table. Ulysses x Ring
+(cp) and the masked block kernel (a sliding window, packed documents) are among them; the
+ring's ranks are planned with their own ring rank (the zigzag gives the last fewer keys).
 """
 
 import gc
@@ -33,9 +35,15 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511"]
 SP2, TP2, PP2 = (["--ds-sequence-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
                  ["--pipeline-model-parallel-size", "2"])
+CP2 = ["--context-parallel-size", "2"]
+# Attention-bound: seq 512, a tiny MLP and vocabulary, so the peak is the attention core's
+# backward (the block kernel's or the ring's working set is half of it), not the loss's.
+CORE_BOUND = ["--seq-length", "512", "--ffn-hidden-size", "16", "--vocab-size", "100"]
 FULL, SELECTIVE = ["--recompute-granularity", "full"], ["--recompute-activations"]
 GRIDS = {  # world -> {name: flags}
-    1: {"1 process, fp32, recompute none": []},
+    1: {"1 process, fp32, recompute none": [],
+        "window 128 + documents, block kernel, core-bound": CORE_BOUND + [
+            "--window-size", "128", "--reset-attention-mask", "--reset-position-ids"]},
     2: {"sp2, ZeRO-0, none": SP2,
         "sp2, ZeRO-1, selective": SP2 + ["--zero-stage", "1"] + SELECTIVE,
         "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
@@ -44,11 +52,14 @@ GRIDS = {  # world -> {name: flags}
         "tp2 + Megatron-SP, full, MLP tiled 2":
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
-        "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"]},
+        "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
+        "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"]},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
             "--sequence-parallel", "--zero-stage", "3"] + SELECTIVE,
         "pp2 x sp2, ZeRO-1, full, 4 micro-batches": PP2 + SP2 + [
-            "--zero-stage", "1", "--global-batch-size", "8"] + FULL},
+            "--zero-stage", "1", "--global-batch-size", "8"] + FULL,
+        "sp2 x cp2 (Ulysses x ring), none": SP2 + CP2,
+        "sp2 x cp2 (Ulysses x ring), full": SP2 + CP2 + FULL},
 }
 
 
@@ -65,12 +76,13 @@ def measure_rank(rank, world, grids: dict) -> dict:
 
 def measure_grid(flags: list) -> tuple:
     from megaulysses.config import parse_args
-    from megaulysses.parallel.dims import PP
+    from megaulysses.parallel.dims import CP, PP
     from megaulysses.parallel.memory_plan import plan_memory
     from megaulysses.training.trainer import Trainer
     trainer = Trainer(parse_args(BASE + flags))
     measured, comm = measured_peak(trainer)
-    plan = plan_memory(trainer.cfg, trainer.dims, trainer.comm.rank(PP), "cpu")
+    plan = plan_memory(trainer.cfg, trainer.dims, trainer.comm.rank(PP), "cpu",
+                       cp_rank=trainer.comm.rank(CP))
     del trainer
     gc.collect()
     return measured, plan.peak_bytes, comm, plan.comm_bytes
@@ -132,7 +144,7 @@ def measured():
 
 
 def test_plan_predicts_the_measured_peak(measured):
-    assert len({key[2] for key in measured}) >= 8
+    assert len({key[2] for key in measured}) >= 12
     for (world, rank, name), (meas, pred, _, _) in measured.items():
         assert abs(pred - meas) <= TOLERANCE * meas, (world, rank, name, pred, meas)
 
@@ -214,6 +226,29 @@ def test_dry_run_of_the_papers_30b_shape_allocates_nothing(capfd):
     assert "memory plan, pipeline rank 0: 64 layers, ZeRO stage 3" in out
     for words in ("parameters", "gradients", "optimizer states", "activations", "peak (",
                   "all_to_all", "all_gather", "reduce_scatter"):
+        assert words in out, out
+
+
+USP_4096 = ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size", "4",
+            "--ds-sequence-parallel-size", "2", "--seq-length", "4096", "--mock-data"]
+
+
+@pytest.mark.parametrize("flags,mask,keys", [
+    ([], "mask causal;", 1024),  # a later ring rank's S/C keys
+    (["--window-size", "512"], "mask causal + window 512;", 576),  # ceil(511/64) + 1 blocks
+    (["--attention-sparsity", "bigbird"], "bigbird sparsity", 384),  # 4 local, 1 global, 1 random
+], ids=["causal", "window", "bigbird"])
+def test_dry_run_of_ulysses_x_ring(capfd, flags, mask, keys):
+    """Ulysses 2 x ring 4 at seq 4096: 512 positions a rank, ZeRO's group dp*cp*sp, the
+    ring's bytes, and the mask in the header and in the attention core's blocks."""
+    rc, out, err = run_main(USP_4096 + flags, capfd)
+    assert rc == 0, err
+    assert "world 8 = dp 1 x tp 1 x pp 1 x sp 2 x cp 4;" in out
+    assert "over dp*cp*sp = 8;" in out and "seq 4096 (512 tokens a rank)" in out
+    assert mask in out, out
+    assert f"ring over cp 4, block kernel, blocks of 64, <= {keys} keys" in out, out
+    assert "micro-batches of 4096 tokens per rank" in out  # micro-batch 8 x 512 positions
+    for words in ("all_to_all", "ring", "peak ("):
         assert words in out, out
 
 
