@@ -14,19 +14,24 @@ lse = logsumexp of its scaled scores over the allowed keys (fp32). Backward reco
 query block's probabilities from them, P = exp(S / sqrt(d) - lse), and with
 delta = rowsum(dO * O) (which equals rowsum(dP * P)) gets dS = P * (dO V^T - delta), so
 nothing of size [s, s] is ever kept: saved are q, k, v, out and lse. At most one query
-block's scores, [b * hq, block, keys attended], exist at a time.
+block's scores, [b * hq, block, keys attended], exist at a time (backward: its P and dS),
+each dropped before the next block's are made. Outputs and gradients are accumulated
+block by block into tensors already laid out as returned (contiguous `[b, s, h, d]`;
+the whole-sequence kernel's out in q's dtype), so nothing is ungrouped by a copy and the
+saved out is the very tensor the out projection reads.
 
 The same steps serve the ring attention (`parallel/ring.py`), where a rank holds only some
 positions: `partial_forward` attends a set of query rows to one set of keys (positions
-`qi`, `kj`), `merge` combines the partials of several key sets by their lse, and
+`qi`, `kj`), `merge` combines the partials of several key sets by their lse (in place), and
 `partial_backward`, given the final out and lse, returns one key set's share of the
 gradients (the shares over a partition of the keys sum to the full gradient).
 
 GQA: q is viewed as `[b, hkv, s * rep, d]` with rows ordered (position, head in group), so a
 block of positions is a contiguous range of rows served by one kv head, as in
 `fused.block_causal_attention`; the element mask is repeated `rep` times along the rows.
-Scores, softmax statistics, outputs and gradients are fp32 whatever the input dtype; the
-matmuls run in the input dtype.
+Scores, softmax statistics, partial outputs and gradients are fp32 whatever the input
+dtype (the whole-sequence kernel casts each output block as it stores it); the matmuls run
+in the input dtype.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def attention_block_size(*lengths: int, layout_block: Optional[int] = None,
     return block
 
 
-# ---- grouping: [b, s, h, d] <-> [b, hkv, s * rep, d] ---------------------------------------
+# ---- grouping: [b, s, h, d] -> [b, hkv, s * rep, d] ---------------------------------------
 
 
 def _group_q(x: torch.Tensor, hkv: int) -> torch.Tensor:  # [b, s, hq, d] -> [b, hkv, s*rep, d]
@@ -58,19 +63,16 @@ def _group_q(x: torch.Tensor, hkv: int) -> torch.Tensor:  # [b, s, hq, d] -> [b,
     return x.reshape(b, s, hkv, hq // hkv, d).transpose(1, 2).reshape(b, hkv, -1, d)
 
 
-def _ungroup_q(x: torch.Tensor, s: int) -> torch.Tensor:  # [b, hkv, s*rep, d] -> [b, s, hq, d]
-    b, hkv, n, d = x.shape
-    return x.view(b, hkv, s, n // s, d).transpose(1, 2).reshape(b, s, -1, d)
-
-
 def _group_rows(x: torch.Tensor, hkv: int) -> torch.Tensor:  # [b, hq, s] -> [b, hkv, s*rep]
     b, hq, s = x.shape
     return x.reshape(b, hkv, hq // hkv, s).transpose(2, 3).reshape(b, hkv, -1)
 
 
-def _ungroup_rows(x: torch.Tensor, s: int) -> torch.Tensor:  # [b, hkv, s*rep] -> [b, hq, s]
-    b, hkv, n = x.shape
-    return x.view(b, hkv, s, n // s).transpose(2, 3).reshape(b, -1, s)
+def _by_group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[b, s, hq, ...] (contiguous) -> a view `[b, hkv, s, rep, ...]` of it: a query block's
+    rows of the grouped layout, `[b, hkv, block * rep, ...]`, are `[:, :, positions]` of it."""
+    b, s, hq = x.shape[:3]
+    return x.view(b, s, hkv, hq // hkv, *x.shape[3:]).transpose(1, 2)
 
 
 def _group_kv(x: torch.Tensor) -> torch.Tensor:  # [b, s, hkv, d] -> [b, hkv, s, d]
@@ -165,79 +167,104 @@ def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]) -
 
 
 def partial_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-                    qi: torch.Tensor, kj: torch.Tensor,
-                    block: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    qi: torch.Tensor, kj: torch.Tensor, block: int,
+                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q rows (positions qi) over one key set (positions kj), no autograd.
 
-    q `[b, sq, hq, d]`, k and v `[b, sk, hkv, d]`. Returns out `[b, sq, hq, d]` fp32,
-    normalized over this set's allowed keys (0 for rows with none), and lse `[b, hq, sq]`
-    fp32 (-inf for rows with none)."""
+    q `[b, sq, hq, d]`, k and v `[b, sk, hkv, d]`. Returns out `[b, sq, hq, d]` (contiguous,
+    `out_dtype`: each block's fp32 result cast as it is stored), normalized over this set's
+    allowed keys (0 for rows with none), and lse `[b, hq, sq]` fp32 (-inf for rows with
+    none). One query block's scores are alive at a time (under a half dtype also their
+    cast for the matmul, the fp32 ones freed first)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
     qg = _group_q(q, hkv) * d ** -0.5  # [b, hkv, sq*rep, d], scaled
     kg, vg = _group_kv(k), _group_kv(v)  # [b, hkv, sk, d]
-    out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sq*rep, d]
-    lse = torch.full(qg.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    # written block by block through grouped views: no ungrouping copy at the end
+    out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)  # [b, sq, hq, d]
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    out_g = _by_group(out, hkv)  # [b, hkv, sq, rep, d]
+    lse_g = lse.view(b, hkv, rep, sq).transpose(2, 3)  # [b, hkv, sq, rep]
     for samples, qb, keys, allowed in _plan(mask, qi, kj, block, b, rep):
         rows = slice(qb * block * rep, (qb + 1) * block * rep)
+        pos = slice(qb * block, (qb + 1) * block)
         scores = _scores(qg[samples, :, rows], _take(kg[samples], keys), allowed)  # [b', hkv, R, K]
         top = scores.amax(dim=-1, keepdim=True)  # [b', hkv, R, 1]
         top.masked_fill_(top == float("-inf"), 0.0)  # rows with no key: exp(-inf) = 0 below
         p = scores.sub_(top).exp_()  # [b', hkv, R, K], unnormalized
         total = p.sum(dim=-1, keepdim=True)  # [b', hkv, R, 1]: >= 1 (the max) or 0
-        out[samples, :, rows] = _mm(p, _take(vg[samples], keys)).div_(total.clamp_min(1.0))
-        lse[samples, :, rows] = (top + total.log()).squeeze(-1)  # log 0 = -inf
-    return _ungroup_q(out, sq), _ungroup_rows(lse, sq)
+        vb = _take(vg[samples], keys)  # [b', hkv, K, d]
+        p = p.to(vb.dtype)  # the matmul's operand; the fp32 probabilities go (half dtype)
+        del scores
+        o = torch.matmul(p, vb).float().div_(total.clamp_min(1.0))  # [b', hkv, R, d]
+        n = o.shape[0]
+        out_g[samples, :, pos] = o.view(n, hkv, block, rep, d)
+        lse_g[samples, :, pos] = (top + total.log()).view(n, hkv, block, rep)  # log 0 = -inf
+        del p, o, vb, top, total  # before the next block's scores
+    return out, lse
 
 
 def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, dout: torch.Tensor, delta: Optional[torch.Tensor],
                      mask: AttentionMask, qi: torch.Tensor, kj: torch.Tensor,
                      block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This key set's share of the gradients, fp32: (dq `[b, sq, hq, d]`, dk and dv
-    `[b, sk, hkv, d]`).
+    """This key set's share of the gradients, fp32 and contiguous: (dq `[b, sq, hq, d]`, dk
+    and dv `[b, sk, hkv, d]`).
 
     out `[b, sq, hq, d]` and lse `[b, hq, sq]` are the final ones over all keys; dout
     `[b, sq, hq, d]`; delta `[b, hq, sq]` = rowsum(dout * out) (computed from out if None).
     P = exp(S / sqrt(d) - lse), dV = P^T dO, dS = P (dO V^T - delta), dQ = dS K / sqrt(d),
-    dK = dS^T Q / sqrt(d)."""
+    dK = dS^T Q / sqrt(d). One query block's P and dS are alive at a time (P freed once dS
+    is made; under a half dtype dS is cast once for both matmuls, the fp32 one freed)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
-    if delta is None:
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # [b, hq, sq]
+    if delta is None:  # out's fp32 values on the fly: no fp32 copy of it
+        delta = (dout.float() * out).sum(-1).transpose(1, 2)  # [b, hq, sq]
     qg = _group_q(q, hkv) * d ** -0.5  # [b, hkv, sq*rep, d], scaled
     kg, vg = _group_kv(k), _group_kv(v)  # [b, hkv, sk, d]
     dog = _group_q(dout, hkv)  # [b, hkv, sq*rep, d]
     lseg = _group_rows(lse.float(), hkv).unsqueeze(-1)  # [b, hkv, sq*rep, 1]
     lseg = lseg.masked_fill(lseg == float("-inf"), float("inf"))  # no key at all: P = 0
     deltag = _group_rows(delta.float(), hkv).unsqueeze(-1)  # [b, hkv, sq*rep, 1]
-    dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sq*rep, d]
-    dk = torch.zeros(kg.shape, dtype=torch.float32, device=q.device)  # [b, hkv, sk, d]
+    # accumulated through grouped views of the returned layout: no copies at the end
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [b, sq, hq, d]
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # [b, sk, hkv, d]
     dv = torch.zeros_like(dk)
+    dq_g = _by_group(dq, hkv)  # [b, hkv, sq, rep, d]
+    dk_g, dv_g = dk.transpose(1, 2), dv.transpose(1, 2)  # [b, hkv, sk, d]
     for samples, qb, keys, allowed in _plan(mask, qi, kj, block, b, rep):
         rows = slice(qb * block * rep, (qb + 1) * block * rep)
+        pos = slice(qb * block, (qb + 1) * block)
         qb_, do = qg[samples, :, rows], dog[samples, :, rows]  # [b', hkv, R, d]
         kb, vb = _take(kg[samples], keys), _take(vg[samples], keys)  # [b', hkv, K, d]
         p = _scores(qb_, kb, allowed).sub_(lseg[samples, :, rows]).exp_()  # [b', hkv, R, K]
-        _put(dv[samples], keys, _mm(p.transpose(2, 3), do))  # [b', hkv, K, d]
+        _put(dv_g[samples], keys, _mm(p.transpose(2, 3), do))  # [b', hkv, K, d]
         ds = _mm(do, vb.transpose(2, 3)).sub_(deltag[samples, :, rows]).mul_(p)  # [b', hkv, R, K]
-        dq[samples, :, rows] = _mm(ds, kb)  # one step per (samples, query block)
-        _put(dk[samples], keys, _mm(ds.transpose(2, 3), qb_))  # q already scaled
+        del p
+        if kb.dtype == qb_.dtype:  # cast once for both matmuls (half: the fp32 dS goes)
+            ds = ds.to(kb.dtype)
+        n = ds.shape[0]
+        dq_g[samples, :, pos] = _mm(ds, kb).view(n, hkv, block, rep, d)
+        _put(dk_g[samples], keys, _mm(ds.transpose(2, 3), qb_))  # q already scaled
+        del ds, qb_, do, kb, vb  # before the next block's scores
     dq.mul_(d ** -0.5)
-    return _ungroup_q(dq, sq), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, dk, dv
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor,
           lse_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax merge of two partials over disjoint key sets: out `[b, sq, hq, d]`,
-    lse `[b, hq, sq]`, fp32. Rows where both lse are -inf stay out 0, lse -inf."""
+    lse `[b, hq, sq]`, fp32. Rows where both lse are -inf stay out 0, lse -inf.
+
+    In place, no temporary of out's size: both outs are consumed (the caller owns them),
+    each scaled by its weight, the sum left in `out`, which is returned with the new lse."""
     new = torch.logaddexp(lse, lse_i)  # [b, hq, sq]; -inf where both are
     base = new.masked_fill(new == float("-inf"), 0.0)
-    w = (lse - base).exp().transpose(1, 2).unsqueeze(-1)  # [b, sq, hq, 1]
-    w_i = (lse_i - base).exp().transpose(1, 2).unsqueeze(-1)
-    return out * w + out_i * w_i, new
+    w = (lse - base).exp_().transpose(1, 2).unsqueeze(-1)  # [b, sq, hq, 1]
+    w_i = (lse_i - base).exp_().transpose(1, 2).unsqueeze(-1)
+    return out.mul_(w).add_(out_i.mul_(w_i)), new
 
 
 # ---- whole-sequence core -----------------------------------------------------------------
@@ -250,8 +277,9 @@ class _MaskedBlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask: AttentionMask, block: int):
         pos = torch.arange(q.shape[1], device=q.device)
-        out, lse = partial_forward(q, k, v, mask, pos, pos, block)  # fp32
-        out = out.to(q.dtype)
+        # out in q's dtype (each block cast as it is stored), contiguous: saved here, it is
+        # the very tensor the out projection reads
+        out, lse = partial_forward(q, k, v, mask, pos, pos, block, out_dtype=q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.block = mask, block
         return out  # [b, s, hq, d]

@@ -30,12 +30,12 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  dropped); the block kernel of model/block_attention.py (any mask but plain
                  causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
                  lse -- no probabilities; the ring (cp > 1, parallel/ring.py, inside
-                 Ulysses): q, k, v, e*(Q + 2K), its merged output in fp32, 4*Q, and lse;
+                 Ulysses) the same (its output merged in fp32, saved in q's dtype);
                  selective: only the core's inputs (the checkpoint), e*T*(hq +
                  2kv)*d -- everything else is recomputed in backward
     out input    the out-projection's input, e*T*hq*d (none without Ulysses when it is the
-                 core's saved output: SDPA's, laid out [b, s, h, d]; the block kernel's
-                 under GQA, ungrouped by a copy; the ring's in fp32)
+                 core's saved output: SDPA's, the block kernel's and the ring's, all laid
+                 out [b, s, h, d], contiguous)
     mlp norm     as attn norm
     mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
     mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
@@ -115,25 +115,32 @@ The peak is the largest of these moments (the table shows which):
     reduction, step      stage 0/1's buckets, stage 1's all-gather (activations freed)
 
 The block kernel's and the ring's working sets (measured, tests/parallel/test_memory_plan.py;
-"scores": a query block's fp32 scores over the most keys it attends in one call, by the
-static mask -- causal: all S (ring: S/C); window w: (ceil((w-1)/B) + 1)*B for blocks of B;
-a sparse layout: its most attended blocks -- per sample with packed documents; alive at
-once: forward two, backward three, as the loop's last block is still referenced):
-    masked backward      dout; k, v grouped (copies), q scaled, dout grouped under GQA,
-                         e*(2K + Q (+ Q)); fp32 dq, dk, dv, 4*(Q + 2K); the scores
-    masked forward       k, v grouped, q scaled, the scores, its fp32 output before a cast
-    ring backward        the larger of its first step and a later one: dout (fp32 copy
-                         under autocast), k, v grouped, q scaled, fp32 dq, dk, dv and dq's
-                         accumulator, the keys and values arriving for the next step, the
-                         scores; later steps also the received ones (C > 2: both), the last
-                         step's dq, dk, dv shares (still referenced), the gradient
-                         accumulators leaving (contiguous copies) and arriving, 4*4K (C > 2:
-                         and the last ones, 4*2K); the zigzag: ring rank c < C-1 meets a
-                         later rank's S/C keys, all of them attended by its late chunk; the
-                         last rank only S/(2C) per later step (`plan_memory(cp_rank=...)`)
-    ring forward         a step's scores with the keys and values arriving (later: also
-                         received), the grouped copies and the step's partial out and lse;
-                         or its merge: the two partials and the weighted sum, 4*4Q
+"a block": one query block's fp32 scores over the most keys it attends in one call, by the
+static mask -- causal: all S; window w: (ceil((w-1)/B) + 1)*B for blocks of B; the ring per
+step, from the zigzag chunks' positions (`_ring_keys`): ring rank c < C-1 meets a later
+rank's S/C keys, all attended by its late chunk, the last rank S/(2C) per later step
+(`plan_memory(cp_rank=...)`); a sparse layout: its most attended blocks -- per sample with
+packed documents. One block is alive at a time (each is dropped before the next): forward
+its scores, backward its P and dS; under autocast also half a block, a half-dtype matmul
+product or cast beside them; plus the block's element mask, a byte per score):
+    masked backward      dout; q scaled, k, v grouped (copies), dout grouped under GQA,
+                         e*(Q + 2K (+ Q)); fp32 dq, dk, dv, 4*(Q + 2K), accumulated in
+                         their returned layout; a block; row statistics
+    masked forward       q scaled, k, v grouped, a block; the output is written block by
+                         block into the kept one (q's dtype, [b, s, hq, d])
+    ring backward        the largest of its first step, a later one and a later one with
+                         keys arriving: dout (its fp32 copy under autocast); the step's
+                         partial_backward (q scaled, k, v grouped, dout grouped in fp32
+                         under GQA, its fp32 dq, dk, dv shares, a block); the keys and
+                         values arriving for the next step (all steps but the last); later
+                         steps also dq's accumulator, the step's received keys and values,
+                         the last step's dk, dv shares in flight (sent as they are) and the
+                         accumulators arriving, 4*4K
+    ring forward         the largest of the same three steps: partial_forward's grouped
+                         copies and a block, the running fp32 out (beyond the kept one,
+                         e*Q, cast at the end), the keys and values arriving; later steps
+                         also those received and the step's partial out and lse, 4*Q (merged
+                         into the running ones in place, no temporaries of out's size)
 
 Communication per iteration, bytes this rank sends, comm.py's conventions: Ulysses
 `ulysses_bytes_per_layer` over the ring rank's S/C positions per layer and micro-batch
@@ -158,9 +165,7 @@ loss, grad norm).
 Not modelled: forward-time peaks outside recomputation (the explicit `math`
 attention backend's S*S temporaries: ~7% above the plan); backend scratch inside
 collectives and kernels; packed documents' effect on the keys a block attends (the plan
-assumes one document); the ring's later ranks other than the last, which meet their
-most keys only at later steps (rank C-2 at the last one, planned as rank 0: up to ~8%
-above the core's measured backward).
+assumes one document).
 """
 
 from __future__ import annotations
@@ -225,8 +230,9 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
     """The plan of pipeline rank `pp_rank` (`cfg` validated, `cfg.model.vocab_size` set
     from the tokenizer). `device_type`: where the run would be (None: cuda if available,
     else cpu, as the trainer picks); it decides the attention kernel and the loss's
-    chunks. `cp_rank`: the ring rank (the zigzag gives the last one fewer keys per later
-    ring step; rank 0, the default, holds the most)."""
+    chunks. `cp_rank`: the ring rank (the zigzag gives the ranks different keys per ring
+    step: under the causal mask alone the last one fewer, rank 0, the default, the most;
+    with a window another rank may hold more)."""
     if cfg.model.vocab_size <= 0:
         raise ValueError("plan_memory needs cfg.model.vocab_size (from the tokenizer)")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -338,7 +344,7 @@ class _Shape:
     keys: int = 0  # masked / ring: the most keys one query block attends in one call
     # (the ring: at its first step, the rank's own keys)
     keys_later: int = 0  # the ring's later steps: the most keys of another rank's
-    run_later: int = 1  # ... and how many query blocks of one call attend that many
+    keys_arriving: int = 0  # ... at a later step while the next step's keys arrive
     documents: bool = False  # the batch carries packed documents' ids
 
     @property
@@ -375,15 +381,14 @@ class _Shape:
         """Bytes of the core's fp32 logsumexp, [b, hq/sp, Sc]."""
         return F32 * self.b * self.core_heads * self.Sc
 
-    def scores(self, later: bool = False, backward: bool = True) -> int:
-        """Bytes of the query blocks' fp32 scores alive at once in the masked kernel or a
-        ring step (the first, or a later one): forward this block's and the last one's (its
-        probabilities, still referenced), backward also the last one's dS -- where the
-        call computes more than one block of the most keys (measured). Per sample when
-        packed documents make the samples' blocks differ."""
-        keys, run = (self.keys_later, self.run_later) if later else (self.keys, 2)
+    def scores(self, keys: int, backward: bool = True) -> int:
+        """Bytes of the one query block's scores alive at a time in the masked kernel or a
+        ring step, a block of `keys` keys: forward its fp32 scores, backward its fp32
+        probabilities P and dS at once; under autocast also a half-dtype matmul product or
+        cast beside them, half a block more (measured). Per sample when packed documents
+        make the samples' blocks differ."""
         one = F32 * (1 if self.documents else self.b) * self.core_heads * self.block * keys
-        return one * ((3 if backward else 2) if run > 1 else (2 if backward else 1))
+        return one * (2 if backward else 1) + (one // 2 if self.e != F32 else 0)
 
 
 def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) -> _Shape:
@@ -392,7 +397,7 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
     mega_sp = cfg.parallel.sequence_parallel and tp > 1
     T = t.micro_batch_size * m.seq_length // (sp * cp)
     kernel = _kernel(cfg, dims, device_type)
-    blocks = _blocks(m, cp, cp_rank) if kernel in ("masked", "ring") else (64, 0, 0, 1)
+    blocks = _blocks(m, cp, cp_rank) if kernel in ("masked", "ring") else (64, 0, 0, 0)
     hkv = m.num_kv_heads // tp
     V = m.padded_vocab_size // tp
     return _Shape(b=t.micro_batch_size, S=m.seq_length, T=T, Tr=T // tp if mega_sp else T,
@@ -402,7 +407,7 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
-                  run_later=blocks[3],
+                  keys_arriving=blocks[3],
                   documents=cfg.data.reset_attention_mask,
                   ce_rows=max(1, min(T, CE_BUDGET.get(device_type, CE_BUDGET["cuda"]) // V)))
 
@@ -415,7 +420,8 @@ def _describe(s: _Shape) -> str:
              "sdpa-math": "SDPA math path (dropout)", "math": "math (explicit scores)"}
     words = names[s.kernel]
     if s.kernel in ("masked", "ring"):
-        words += f", blocks of {s.block}, <= {s.keys} keys a query block"
+        words += (f", blocks of {s.block}, <= {max(s.keys, s.keys_later)} keys a query "
+                  "block")
     return words
 
 
@@ -447,13 +453,14 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
 
 
 def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
-    """(block, keys, keys_later, run_later) of the block kernel (model/block_attention.py):
-    its block of positions (ring: over the S/(2C) positions of a zigzag chunk), the most keys
-    one query block attends in one call (the whole sequence; the ring's first step: the
-    rank's own S/C), bounded by the static mask; the ring's later steps: another rank's
-    keys, of which ring rank c's late chunk attends all S/C where that rank comes later
-    (ranks c < C-1 meet one), else (rank C-1) both its chunks attend S/(2C); and how many
-    query blocks attend that many."""
+    """(block, keys, keys_later, keys_arriving) of the block kernel
+    (model/block_attention.py): its block of positions (ring: over the S/(2C) positions of a
+    zigzag chunk) and the most keys one query block attends in one call, by the static
+    mask: over the whole sequence; the ring's first step (the rank's own S/C keys), its
+    later steps (another rank's: ring rank c's late chunk attends all S/C of a later rank,
+    c < C-1, both chunks of the last S/(2C) of an earlier one), and its later steps while
+    the next step's keys arrive (all but the last; 0 where none, C = 2). Sparse layouts:
+    bounded by their most attended blocks."""
     from megaulysses.model.attention import mask_from_config
     from megaulysses.model.block_attention import attention_block_size
     S = m.seq_length
@@ -462,15 +469,39 @@ def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
     chunk = S // (2 * cp)
     block = attention_block_size(chunk if cp > 1 else S, layout_block=layout_block)
     bound = S
-    if m.window_size is not None:  # keys (i - w, i] of a block's rows: ceil((w-1)/B) + 1 blocks
-        bound = min(bound, (-(-(m.window_size - 1) // block) + 1) * block)
     if layout is not None:  # a layout block attended: all its positions
-        bound = min(bound, _layout_blocks_attended(layout, S // layout.block) * layout.block)
+        bound = _layout_blocks_attended(layout, S // layout.block) * layout.block
     if cp == 1:
-        return block, min(bound, S), min(bound, S), S // block
-    last = cp_rank == cp - 1
-    later = min(bound, chunk if last else 2 * chunk)
-    return block, min(bound, 2 * chunk), later, (2 if last else 1) * chunk // block
+        if m.window_size is not None:  # keys (i - w, i] of a block's rows
+            bound = min(bound, (-(-(m.window_size - 1) // block) + 1) * block)
+        return block, min(bound, S), min(bound, S), 0
+    steps = [min(bound, k) for k in _ring_keys(S, cp, cp_rank, block, m.window_size)]
+    return block, steps[0], max(steps[1:]), max(steps[1:-1], default=0)
+
+
+def _ring_keys(S: int, cp: int, rank: int, block: int, window: Optional[int]) -> list[int]:
+    """Per ring step, the most keys (in whole blocks) one of ring rank `rank`'s query
+    blocks attends among the keys it holds then, under the causal mask and the window:
+    block pairs by their position ranges, as `AttentionMask.block_kinds` skips them."""
+    chunk = S // (2 * cp)
+
+    def chunks(r):  # zigzag: chunks r and 2C-1-r
+        return ((r * chunk, (r + 1) * chunk), ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk))
+
+    starts = [a for lo, hi in chunks(rank) for a in range(lo, hi, block)]
+    keys = []
+    for step in range(cp):
+        most = 0
+        for a in starts:  # rows a .. a+B-1 see keys max(0, a-w+1) .. a+B-1
+            lo, hi = (0 if window is None else max(0, a - window + 1)), a + block - 1
+            n = 0
+            for k_lo, k_hi in chunks((rank - step) % cp):
+                first, last = max(k_lo, lo), min(k_hi - 1, hi)
+                if last >= first:
+                    n += last // block - first // block + 1
+            most = max(most, n * block)
+        keys.append(most)
+    return keys
 
 
 def _layout_blocks_attended(layout, n: int) -> int:
@@ -750,13 +781,12 @@ def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
 
 def _core_out_is_saved(s: _Shape, selective: bool) -> bool:
     """The out-projection's input is the very tensor the core saves (no Ulysses between
-    them, no recomputation): SDPA's output; the masked kernel's where it is contiguous (with
-    GQA its ungrouping copies; without, it is a strided view, and the projection's reshape
-    copies it); the ring's merged fp32 output when it needs no cast."""
+    them, no recomputation): SDPA's output; the masked kernel's and the ring's, both saved
+    in q's dtype and laid out [b, s, h, d], contiguous, so that the projection's reshape is
+    a view."""
     if selective or s.sp > 1:
         return False
-    return (s.kernel == "sdpa" or (s.kernel == "masked" and s.rep > 1)
-            or (s.kernel == "ring" and s.e == F32))
+    return s.kernel in ("sdpa", "masked", "ring")
 
 
 def _norm(s: _Shape) -> int:
@@ -772,9 +802,6 @@ def _linear_input(s: _Shape, linears: int) -> int:
 def _core_terms(s: _Shape) -> dict:
     qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
     square = F32 * s.b * s.core_heads * s.S * s.S
-    if s.kernel == "ring":  # q, k, v as given; out merged in fp32, and its logsumexp
-        return {"core q,k,v": s.e * (s.Q + 2 * s.K), "core out+lse (fp32)":
-                F32 * s.Q + s.lse}
     if s.kernel == "block":
         return {"core q,k,v,out": F32 * qkv_out, "core probabilities": F32 * _probs(s)}
     if s.kernel == "math":
@@ -782,7 +809,7 @@ def _core_terms(s: _Shape) -> dict:
     if s.kernel == "sdpa-math":
         return {"core q,k,v": s.e * s.T * (s.hq + 2 * s.kv) * s.d,
                 "core probabilities": 3 * square}
-    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": s.lse}  # sdpa, masked
+    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": s.lse}  # sdpa, masked, ring
 
 
 def _probs(s: _Shape) -> int:
@@ -808,57 +835,64 @@ def _core_backward(s: _Shape) -> int:
 
 def _masked_backward(s: _Shape) -> int:
     """model/block_attention.py's partial_backward over the whole sequence (measured): dout;
-    k, v grouped (copies) and q grouped and scaled; dout grouped (a copy with GQA); fp32 dq,
-    dk, dv; the query blocks' scores (`_Shape.scores`; a half more under autocast: the
-    matmuls' casts); a few row statistics."""
-    e, blk = s.e, s.scores()
-    grouped = 2 * e * s.K + e * s.Q + (e * s.Q if s.rep > 1 else 0)  # k, v, q, dout
+    q grouped and scaled, k, v grouped (copies); dout grouped (a copy with GQA); fp32 dq,
+    dk, dv; one query block's P and dS (`_Shape.scores`); row statistics and masks."""
+    e = s.e
+    grouped = e * s.Q + 2 * e * s.K + (e * s.Q if s.rep > 1 else 0)  # q, k, v, dout
     grads = F32 * (s.Q + 2 * s.K)
-    return e * s.Q + grouped + grads + blk + (blk // 6 if e != F32 else 0) + 3 * s.lse
+    return e * s.Q + grouped + grads + _block_set(s, s.keys)
+
+
+def _block_set(s: _Shape, keys: int, backward: bool = True) -> int:
+    """One query block of `keys` keys (`_Shape.scores`) and the kernels' small change
+    (measured): backward delta and the lse made +inf where it is -inf (with GQA also
+    delta's grouped copy), the block's element mask, a byte per score of its block * rep
+    rows by its keys, and a block's rows of a gradient, fp32; forward the larger of the
+    mask and its negation (autocast: the mask) and a block's output."""
+    out_rows = F32 * (1 if s.documents else s.b) * s.core_heads * s.block * s.d
+    if not backward:  # at the scores' masking (fp32) or cast (autocast), or at the output
+        return s.scores(keys, False) + max(
+            (2 if s.e == F32 else 1) * s.block * s.rep * keys, out_rows)
+    return (s.scores(keys) + (2 + (1 if s.rep > 1 else 0)) * s.lse
+            + s.block * s.rep * keys + out_rows)
 
 
 def _ring_backward(s: _Shape) -> int:
-    """parallel/ring.py's backward (measured), the larger of its first step and a later one:
-    dout (and its fp32 copy under autocast, grouped with GQA); the keys and values
-    arriving for the next step (later: also this step's, received; C > 2 both); the
-    step's partial_backward: k, v grouped, q scaled, fp32 dq, dk, dv, the query blocks'
-    scores; dq's accumulator; later also the last step's dq, dk, dv shares still
-    referenced, the dk, dv leaving (contiguous copies) and the accumulators arriving (C > 2:
-    and the last ones still referenced); row statistics."""
-    e, more = s.e, s.cp > 2
-    common = (e * s.Q + (F32 * s.Q if e != F32 else 0) + (F32 * s.Q if s.rep > 1 else 0)
-              + 2 * e * s.K + e * s.Q + F32 * (2 * s.Q + 2 * s.K) + 3 * s.lse)
-    cast = 1 / 6 if e != F32 else 0  # under autocast: a block's probabilities cast
-    first = common + 2 * e * s.K + int(s.scores() * (1 + cast))
-    later = (common + 2 * e * s.K * (2 if more else 1) + F32 * (s.Q + 2 * s.K)
-             + F32 * s.K * (4 + (2 if more else 0)) + int(s.scores(later=True) * (1 + cast)))
-    return max(first, later)
+    """parallel/ring.py's backward (measured), the largest of its first step and its later
+    ones (with and without keys arriving): dout (and its fp32 copy under autocast); the
+    step's partial_backward: q scaled, k, v grouped, dout grouped (fp32, with GQA), its
+    fp32 dq, dk, dv shares, one query block's P and dS; the keys and values arriving for
+    the next step (all steps but the last). Later steps also: dq's accumulator, the step's
+    received keys and values, the last step's dk, dv in flight (sent as they are, held
+    until the next step's wait) and the accumulators arriving, 4*4K."""
+    e, kv = s.e, 2 * s.e * s.K
+    common = (e * s.Q + (F32 * s.Q if e != F32 else 0)  # dout, fp32
+              + e * s.Q + kv + (F32 * s.Q if s.rep > 1 else 0)  # grouped
+              + F32 * (s.Q + 2 * s.K))  # the step's shares
+    later = common + F32 * s.Q + kv + 4 * F32 * s.K  # dq's sum, received, in flight
+    return max(common + kv + _block_set(s, s.keys),
+               later + _block_set(s, s.keys_later),
+               later + kv + _block_set(s, s.keys_arriving) if s.keys_arriving else 0)
 
 
 def _core_forward(s: _Shape) -> int:
     """The core's forward working set beyond what it keeps (0 where small): the masked
-    kernel's k, v grouped, q scaled, the query blocks' scores (under autocast also one's
-    cast), its fp32 output before the cast; the ring at a step's scores (the keys and
-    values arriving and, later steps, those received; partial_forward's grouped copies,
-    this step's partial out and lse, C > 2 the last step's still referenced) or at its
-    merge (the two partials and the weighted sum: four of out's size beyond the result)."""
-    e = s.e
-    if s.kernel == "masked":  # its fp32 output, grouped, becomes the kept one (or its cast)
-        blk = s.scores(backward=False)
-        return (2 * e * s.K + e * s.Q + blk + (F32 - e) * s.Q
-                + (blk // 4 if e != F32 else 0))  # the probabilities cast for the matmul
+    kernel's q scaled, k, v grouped, one query block's scores (`_Shape.scores`), its output
+    written in place into the kept one; the ring at a step's scores: partial_forward's
+    grouped copies, the running fp32 out beyond the kept one (autocast: cast at the end),
+    the keys and values arriving (all steps but the last) and, later steps, those received
+    and the step's partial out and lse (merged into the running ones in place)."""
+    e, kv = s.e, 2 * s.e * s.K
+    grouped = e * s.Q + kv  # q scaled, k, v
+    if s.kernel == "masked":
+        return grouped + _block_set(s, s.keys, backward=False)
     if s.kernel != "ring":
         return 0
-    step = 2 * e * s.K + e * s.Q + F32 * s.Q + s.lse  # grouped, scaled; the partial
-    arriving = 2 * e * s.K
-    cast = 1 / 4 if e != F32 else 0  # under autocast: a block's probabilities cast
-    first = arriving + step + int(s.scores(backward=False) * (1 + cast))
-    later = (arriving * (2 if s.cp > 2 else 1) + step
-             + int(s.scores(later=True, backward=False) * (1 + cast)))
-    if s.cp > 2:  # the last step's partial, still referenced beside the merged one
-        later += F32 * s.Q + s.lse
-    merge = arriving * (2 if s.cp > 2 else 1) + 4 * F32 * s.Q + 2 * s.lse
-    return max(first, later, merge)
+    common = grouped + (F32 - e) * s.Q
+    later = common + kv + F32 * s.Q + s.lse  # received, the step's partial
+    return max(common + kv + _block_set(s, s.keys, False),
+               later + _block_set(s, s.keys_later, False),
+               later + kv + _block_set(s, s.keys_arriving, False) if s.keys_arriving else 0)
 
 
 def _mlp_terms(s: _Shape) -> dict:

@@ -19,7 +19,10 @@ Bytes sent per rank per layer (counted as "ring"), k and v `[b, S/(U C), hkv/?, 
 Ulysses, i.e. kv = b * (S/C) * (hkv_local) * d elements per tensor:
     forward   (C-1) * 2 * kv * element size         keys and values, C-1 passes
     backward  (C-1) * 2 * kv * element size + C * 2 * kv * 4 (fp32 gradient accumulators)
-A rank never holds more than two ring steps' keys and values at once.
+A rank never holds more than two ring steps' keys and values at once. Memory: one step's
+partial (forward) or gradient shares (backward) at a time; the partials merge in place into
+the running fp32 out, which is saved (and returned) in q's dtype with the fp32 lse; the
+key/value gradients travel as partial_backward makes them (contiguous, no send copies).
 """
 
 from __future__ import annotations
@@ -90,13 +93,20 @@ class _Ring(torch.autograd.Function):
         for step in range(C):
             passing = comm.ring_pass(kv, dim) if step < C - 1 else None
             kj = zigzag_positions(S, C, (c - step) % C, q.device)
-            o, l = partial_forward(q, kv[0], kv[1], mask, qi, kj, block)  # [b, S/C, h, d]
+            o, l = partial_forward(q, kv[0], kv[1], mask, qi, kj, block)  # [b, S/C, h, d] fp32
+            # the first partial becomes the running out, merged into in place
             out, lse = (o, l) if out is None else merge(out, lse, o, l)
+            del o, l  # this step's partial: gone before the next one is computed
             if passing is not None:
                 kv = passing.wait()
+            del passing
+        del kv
+        # Saved in q's dtype (fp32: the merged out itself), the very tensor returned: the
+        # fp32 out goes under a half dtype; backward's delta takes its values in fp32.
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.comm, ctx.dim = mask, comm, dim
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # dout [b, S/C, hq, d]
@@ -104,23 +114,30 @@ class _Ring(torch.autograd.Function):
         mask, comm, dim = ctx.mask, ctx.comm, ctx.dim
         C, c, S, block, qi = _setup(q, mask, comm, dim)
         dout = dout.float()
-        delta = (dout * out).sum(-1).transpose(1, 2)  # [b, hq, S/C]
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        delta = (dout * out).sum(-1).transpose(1, 2)  # [b, hq, S/C], out's values in fp32
+        dq = None
         kv, grads = [k, v], None
         for step in range(C):
             passing = comm.ring_pass(kv, dim) if step < C - 1 else None
             kj = zigzag_positions(S, C, (c - step) % C, q.device)
+            # fp32, contiguous: dk_t and dv_t are sent as they are (no copies)
             dq_t, dk_t, dv_t = partial_backward(q, kv[0], kv[1], out, lse, dout, delta, mask,
                                                 qi, kj, block)
-            dq += dq_t
+            dq = dq_t if dq is None else dq.add_(dq_t)
+            del dq_t
             if grads is not None:  # the accumulator of this step's keys, from the last rank
                 dk_acc, dv_acc = grads.wait()
                 dk_t += dk_acc
                 dv_t += dv_acc
+                del dk_acc, dv_acc
             grads = comm.ring_pass([dk_t, dv_t], dim)  # after C passes: back at the owner
+            del dk_t, dv_t  # the send holds them until the next step's wait
             if passing is not None:
                 kv = passing.wait()
+            del passing
+        del kv
         dk, dv = grads.wait()
+        del grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

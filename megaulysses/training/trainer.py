@@ -234,7 +234,7 @@ class Trainer:
                  f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
                  else "not tiled")
         log.info("%s", format_plan(plan_memory(self.cfg, d, self.comm.rank(PP),
-                                               self.device.type)))
+                                               self.device.type, cp_rank=self.comm.rank(CP))))
         if self.pipeline is not None:
             log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
                      "rank), layers per stage %s; the first stage holds %.2fM parameters",

@@ -12,8 +12,9 @@ must match the plan's `comm_bytes` per kind.
 The models are small (2 layers, hidden 64, 4 heads, vocab 512) at seq 256 and micro-batch
 2, so activations are most of the peak (the CPU block kernel's probabilities included);
 one spawn per world size runs all of its grids. `-s` prints the table. Ulysses x Ring
-(cp) and the masked block kernel (a sliding window, packed documents) are among them; the
-ring's ranks are planned with their own ring rank (the zigzag gives the last fewer keys).
+(cp) and the masked block kernel (a sliding window, packed documents) are among them, in
+fp32 and bf16, MHA and GQA, rings of 2 and 4; the ring's ranks are planned with their own
+ring rank (the zigzag gives them different keys per step).
 """
 
 import gc
@@ -36,6 +37,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 SP2, TP2, PP2 = (["--ds-sequence-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
                  ["--pipeline-model-parallel-size", "2"])
 CP2 = ["--context-parallel-size", "2"]
+GQA2 = ["--group-query-attention", "--num-query-groups", "2"]
 # Attention-bound: seq 512, a tiny MLP and vocabulary, so the peak is the attention core's
 # backward (the block kernel's or the ring's working set is half of it), not the loss's.
 CORE_BOUND = ["--seq-length", "512", "--ffn-hidden-size", "16", "--vocab-size", "100"]
@@ -43,7 +45,9 @@ FULL, SELECTIVE = ["--recompute-granularity", "full"], ["--recompute-activations
 GRIDS = {  # world -> {name: flags}
     1: {"1 process, fp32, recompute none": [],
         "window 128 + documents, block kernel, core-bound": CORE_BOUND + [
-            "--window-size", "128", "--reset-attention-mask", "--reset-position-ids"]},
+            "--window-size", "128", "--reset-attention-mask", "--reset-position-ids"],
+        "window 128, block kernel, GQA, bf16, core-bound": CORE_BOUND + GQA2 + [
+            "--window-size", "128", "--bf16"]},
     2: {"sp2, ZeRO-0, none": SP2,
         "sp2, ZeRO-1, selective": SP2 + ["--zero-stage", "1"] + SELECTIVE,
         "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
@@ -53,13 +57,17 @@ GRIDS = {  # world -> {name: flags}
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
-        "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"]},
+        "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"],
+        "cp2 (ring), bf16, none, core-bound": CP2 + CORE_BOUND + ["--bf16"]},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
             "--sequence-parallel", "--zero-stage", "3"] + SELECTIVE,
         "pp2 x sp2, ZeRO-1, full, 4 micro-batches": PP2 + SP2 + [
             "--zero-stage", "1", "--global-batch-size", "8"] + FULL,
         "sp2 x cp2 (Ulysses x ring), none": SP2 + CP2,
-        "sp2 x cp2 (Ulysses x ring), full": SP2 + CP2 + FULL},
+        "sp2 x cp2 (Ulysses x ring), full": SP2 + CP2 + FULL,
+        "cp4 (ring), GQA, bf16, window 200, core-bound": [
+            "--context-parallel-size", "4"] + CORE_BOUND + GQA2 + [
+            "--seq-length", "1024", "--bf16", "--window-size", "200"]},
 }
 
 
@@ -235,7 +243,9 @@ USP_4096 = ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size",
 
 @pytest.mark.parametrize("flags,mask,keys", [
     ([], "mask causal;", 1024),  # a later ring rank's S/C keys
-    (["--window-size", "512"], "mask causal + window 512;", 576),  # ceil(511/64) + 1 blocks
+    # ceil(511/64) + 1 = 9 blocks would reach back into another chunk (512 positions):
+    # a ring step's keys of one rank within the window are 8 blocks
+    (["--window-size", "512"], "mask causal + window 512;", 512),
     (["--attention-sparsity", "bigbird"], "bigbird sparsity", 384),  # 4 local, 1 global, 1 random
 ], ids=["causal", "window", "bigbird"])
 def test_dry_run_of_ulysses_x_ring(capfd, flags, mask, keys):
