@@ -212,6 +212,7 @@ class MemoryConfig:
     tiled_mlp_chunks: int = 1  # the MLP over the local sequence in N chunks, recomputed
     dry_run: bool = False  # validate, print the memory plan, exit 0 without training
     dry_run_world_size: Optional[int] = None  # the grid's world for --dry-run on one process
+    dry_run_device: Optional[str] = None  # the device --dry-run plans for (None: this one's)
 
 
 @dataclass
@@ -437,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run-world-size", type=pos("--dry-run-world-size"), default=None,
                    help="with --dry-run on one process: the number of ranks of the grid to "
                         "plan for (default: WORLD_SIZE, or 1)")
+    g.add_argument("--dry-run-device", choices=["cpu", "cuda"], default=None,
+                   help="with --dry-run: the device to plan for; it picks the attention "
+                        "kernel and the loss's chunks (default: cuda if available, else cpu)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
@@ -585,6 +589,7 @@ def _validate_memory(mem: MemoryConfig, layout: list[list[int]]):
     checked in ParallelDims.validate."""
     _require(mem.dry_run_world_size is None or mem.dry_run, "--dry-run-world-size",
              "needs --dry-run")
+    _require(mem.dry_run_device is None or mem.dry_run, "--dry-run-device", "needs --dry-run")
     full = mem.recompute_granularity == "full"
     for flag, value in (("--recompute-method", mem.recompute_method),
                         ("--recompute-num-layers", mem.recompute_num_layers)):

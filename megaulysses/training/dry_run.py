@@ -5,7 +5,9 @@ torchrun sets it), else 1. Everything the trainer checks at start-up that needs 
 and no process group is checked the same way (`ParallelDims.from_world`, `validate`, the
 tokenizer for the vocabulary size); then `plan_memory` prints each pipeline stage's bytes
 per rank and the communication per iteration. Nothing is allocated: the model exists only
-on the meta device, inside the plan.
+on the meta device, inside the plan. The plan is made for `--dry-run-device` (cuda or cpu;
+default, the device the trainer would pick here), so a GPU run can be planned on a CPU
+machine: the device decides the attention kernel and the loss's chunks.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def dry_run(cfg: Config) -> int:
     dims = _validated_dims(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    print(_header(cfg, dims))
+    device = _device(cfg)
+    print(_header(cfg, dims, device))
     for pp_rank in _stages_to_print(dims.pp):
-        print(format_plan(plan_memory(cfg, dims, pp_rank)))
+        print(format_plan(plan_memory(cfg, dims, pp_rank, device_type=device)))
     return 0
 
 
@@ -43,18 +46,22 @@ def _validated_dims(cfg: Config) -> ParallelDims:
     return dims
 
 
+def _device(cfg: Config) -> str:
+    """--dry-run-device, else the device the trainer would pick."""
+    return cfg.memory.dry_run_device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _stages_to_print(pp: int) -> list[int]:
     return list(range(pp)) if pp <= ALL_STAGES_UP_TO else [0, pp - 1]
 
 
-def _header(cfg: Config, dims: ParallelDims) -> str:
+def _header(cfg: Config, dims: ParallelDims, device: str) -> str:
     m, mem, par = cfg.model, cfg.memory, cfg.parallel
     dtype = "bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32"
     recompute = mem.recompute_granularity or "none"
     if recompute == "full":
         recompute += f" ({mem.recompute_method}, --recompute-num-layers " \
                      f"{mem.recompute_num_layers})"
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the trainer would pick
     return (f"dry run: world {dims.world} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp} x sp "
             f"{dims.sp} x cp {dims.cp}"
             f"{' (Megatron-SP in tp)' if par.sequence_parallel and dims.tp > 1 else ''}"
