@@ -98,3 +98,16 @@ paper_done() {
         python "$PAPER_DIR/dry_run_configs.py" "$PAPER_CONFIGS"
     fi
 }
+
+# Figs. 4-7: Ulysses and the Megatron-SP baseline of the 7B (32 GPUs) and 30B (64 GPUs) at
+# each length, with the caller's TAG and ATTENTION flags.
+sweep_7b_30b() {
+    local seq
+    for seq in 8192 16384 32768 65536 131072 262144; do
+        ulysses_run 7b 32 "$seq"
+        megatron_sp_run 7b 32 "$seq"
+        ulysses_run 30b 64 "$seq"
+        megatron_sp_run 30b 64 "$seq"
+    done
+    paper_done
+}

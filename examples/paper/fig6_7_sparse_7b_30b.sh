@@ -8,10 +8,4 @@ source "$(dirname "$0")/common.sh"
 # expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 7; plan ~109 GiB a GPU: 26 GiB of tp-shard parameters, 52 GiB of kept layer inputs, 18 GiB of a layer's backward with whole-sequence all-gathered inputs; the sparse layout saves compute, not these activations): sparse-30b-megatron-sp-256k
 TAG=sparse
 ATTENTION=("${SPARSE[@]}")
-for seq in 8192 16384 32768 65536 131072 262144; do
-    ulysses_run 7b 32 "$seq"
-    megatron_sp_run 7b 32 "$seq"
-    ulysses_run 30b 64 "$seq"
-    megatron_sp_run 30b 64 "$seq"
-done
-paper_done
+sweep_7b_30b
