@@ -64,6 +64,15 @@ def launch(fn, P: int, *args, timeout: float = 3600.0) -> list:
     return [results[r] for r in range(P)]
 
 
+def max_per_kind(dicts) -> dict:
+    """{kind: the largest count of that kind} over ranks' byte dicts (the busiest rank)."""
+    out = {}
+    for d in dicts:
+        for kind, n in d.items():
+            out[kind] = max(out.get(kind, 0), n)
+    return out
+
+
 def table(header, rows) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -78,7 +78,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import launch, table  # noqa: E402
+from _common import launch, max_per_kind, table  # noqa: E402
 
 from megaulysses.model.attention import (AttentionMask, SparseLayout, block_attention,  # noqa: E402
                                          cpu_attention, math_attention, sdpa_attention)
@@ -360,8 +360,8 @@ def part1(args) -> dict:
             row["cpu_s"] = statistics.median(sum(p["cpu"][i] for p in per) for i in reps)
             row["comm_share"] = statistics.median(
                 sum(p["comm"][i] for p in per) / sum(p["wall"][i] for p in per) for i in reps)
-            row["fwd"] = _max_per_kind(p["fwd"] for p in per)
-            row["bwd"] = _max_per_kind(p["bwd"] for p in per)
+            row["fwd"] = max_per_kind(p["fwd"] for p in per)
+            row["bwd"] = max_per_kind(p["bwd"] for p in per)
             row["bytes_equal_on_all_ranks"] = all(
                 (p["fwd"], p["bwd"]) == (per[0]["fwd"], per[0]["bwd"]) for p in per)
             row["bytes"] = _total(row["fwd"]) + _total(row["bwd"])
@@ -374,14 +374,6 @@ def part1(args) -> dict:
             row["err_grad"] = max(p["err_grad"] for p in per)
         out.append(row)
     return {"rows": out, "reference_s": ref_s, "ranks_s": ranks_s}
-
-
-def _max_per_kind(dicts) -> dict:
-    out = {}
-    for d in dicts:
-        for kind, n in d.items():
-            out[kind] = max(out.get(kind, 0), n)
-    return out
 
 
 def _total(d: dict) -> int:

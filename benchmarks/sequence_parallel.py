@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import launch, table  # noqa: E402
+from _common import launch, max_per_kind, table  # noqa: E402
 
 from megaulysses.model.attention import sdpa_attention  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
@@ -253,8 +253,8 @@ def summarize(P: int, ranks: list[dict], args) -> dict:
     rows = {}
     for method in ranks[0]["times"]:
         reps = [max(r["times"][method][i] for r in ranks) for i in range(args.reps)]
-        fwd = _max_per_kind(r["fwd"][method] for r in ranks)
-        bwd = _max_per_kind(r["bwd"][method] for r in ranks)
+        fwd = max_per_kind(r["fwd"][method] for r in ranks)
+        bwd = max_per_kind(r["bwd"][method] for r in ranks)
         fwd_theory, bwd_theory = theory(method, args, P)
         rows[method] = {
             "fwd": fwd, "bwd": bwd, "fwd_theory": fwd_theory, "bwd_theory": bwd_theory,
@@ -265,14 +265,6 @@ def summarize(P: int, ranks: list[dict], args) -> dict:
     wire_ok = all(r["wire_ours"] == (r["fwd"]["ulysses"], r["bwd"]["ulysses"]) for r in ranks)
     return {"rows": rows, "wire_ok": wire_ok, "ds_error": ranks[0]["ds_error"],
             "threads": sorted({r["threads"] for r in ranks})}
-
-
-def _max_per_kind(dicts) -> dict:
-    out = {}
-    for d in dicts:
-        for kind, n in d.items():
-            out[kind] = max(out.get(kind, 0), n)
-    return out
 
 
 def report(results: dict, args, wall: float) -> str:
