@@ -273,6 +273,7 @@ def part_throughput(args) -> dict:
         m = cfg.model
         rec = dict(
             part="throughput", status="ok", device=name,
+            flags=model_flags(shape, seq),  # tools/plan.py --calibration re-plans this step
             model=(f"Llama style (RoPE, RMSNorm, SwiGLU, untied, no bias): {m.num_layers} "
                    f"layers, hidden {m.hidden_size}, ffn {m.ffn_size}, {m.num_attention_heads}"
                    f" heads, vocab {m.vocab_size} (padded {m.padded_vocab_size})"),

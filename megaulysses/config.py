@@ -213,6 +213,7 @@ class MemoryConfig:
     dry_run: bool = False  # validate, print the memory plan, exit 0 without training
     dry_run_world_size: Optional[int] = None  # the grid's world for --dry-run on one process
     dry_run_device: Optional[str] = None  # the device --dry-run plans for (None: this one's)
+    dry_run_gpu: Optional[str] = None  # --dry-run checks the plan fits this GPU (planner table)
 
 
 @dataclass
@@ -441,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run-device", choices=["cpu", "cuda"], default=None,
                    help="with --dry-run: the device to plan for; it picks the attention "
                         "kernel and the loss's chunks (default: cuda if available, else cpu)")
+    g.add_argument("--dry-run-gpu", type=_gpu_name, default=None,
+                   help="with --dry-run: plan for cuda and exit 2 unless every stage fits "
+                        "this GPU (A100-40GB, A100-80GB, H100, H200: tools/plan.py's table) "
+                        "less 4 GiB reserved for the CUDA context, NCCL and fragmentation")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
@@ -450,6 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak TFLOP/s per device for MFU; default: known GPU table, or a "
                         "matmul measured at start-up on CPU")
     return p
+
+
+def _gpu_name(text: str) -> str:
+    """argparse type: a GPU of the planner's table (megaulysses/planner/hardware.py)."""
+    from megaulysses.planner.hardware import UnknownGPU, gpu_spec
+    try:
+        return gpu_spec(text).name
+    except UnknownGPU as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def _pick(cls, ns):
@@ -590,6 +604,9 @@ def _validate_memory(mem: MemoryConfig, layout: list[list[int]]):
     _require(mem.dry_run_world_size is None or mem.dry_run, "--dry-run-world-size",
              "needs --dry-run")
     _require(mem.dry_run_device is None or mem.dry_run, "--dry-run-device", "needs --dry-run")
+    _require(mem.dry_run_gpu is None or mem.dry_run, "--dry-run-gpu", "needs --dry-run")
+    _require(mem.dry_run_gpu is None or mem.dry_run_device != "cpu", "--dry-run-gpu",
+             "plans for cuda; drop --dry-run-device cpu")
     full = mem.recompute_granularity == "full"
     for flag, value in (("--recompute-method", mem.recompute_method),
                         ("--recompute-num-layers", mem.recompute_num_layers)):

@@ -7,6 +7,8 @@
 #   bash examples/paper/<script>.sh            # sbatch one job per configuration
 #   DRY_RUN=1 bash examples/paper/<script>.sh  # validate each one and print its memory
 #                                              # plan per GPU (no GPU needed)
+#   DRY_RUN=list bash examples/paper/<script>.sh  # print NAME<tab>GPUS<tab>FLAGS lines
+#                                              # (benchmarks/paper_plan.py reads them)
 # With DRY_RUN=1 every configuration is the same as
 #   python pretrain_gpt.py --dry-run --dry-run-world-size GPUS --dry-run-device cuda FLAGS
 # but all of a script's configurations run in one python process (dry_run_configs.py), so
@@ -44,7 +46,7 @@ TRAIN=(--micro-batch-size 1 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine
        --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 --split 969,30,1
        --log-interval 1 --eval-interval 1000 --eval-iters 1)
 
-if [[ $DRY_RUN == 1 ]]; then
+if [[ $DRY_RUN == 1 || $DRY_RUN == list ]]; then
     PAPER_CONFIGS=$(mktemp)
     trap 'rm -f "$PAPER_CONFIGS"' EXIT
 fi
@@ -55,7 +57,7 @@ paper_run() {
     shift 2
     local args=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL" "${GPT2[@]}"
                 --train-iters "$TRAIN_ITERS" "${TRAIN[@]}" "$@")
-    if [[ $DRY_RUN == 1 ]]; then
+    if [[ $DRY_RUN == 1 || $DRY_RUN == list ]]; then
         printf '%s\t%s\t%s\n' "$name" "$gpus" "$(printf '%q ' "${args[@]}")" >> "$PAPER_CONFIGS"
     else
         local nodes=$(( (gpus + GPUS_PER_NODE - 1) / GPUS_PER_NODE ))
@@ -96,6 +98,8 @@ megatron_sp_run() {
 paper_done() {
     if [[ $DRY_RUN == 1 ]]; then
         python "$PAPER_DIR/dry_run_configs.py" "$PAPER_CONFIGS"
+    elif [[ $DRY_RUN == list ]]; then
+        cat "$PAPER_CONFIGS"
     fi
 }
 

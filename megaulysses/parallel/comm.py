@@ -1,8 +1,9 @@
 """Every collective megaulysses issues, in one file, each counted in bytes.
 
-`Comm` wraps the DeviceMesh: it names groups by mesh dim ("dp", "sp", "tp", "pp",
-"dp_sp") and counts the bytes this rank sends per collective kind, so the trainer can log
-them and tests can check them against the formulas. There are no module-level groups:
+`Comm` wraps the DeviceMesh: it names groups by mesh dim (dims.py: "dp", "cp", "sp", "tp",
+"pp", "dp_sp") and counts the bytes this rank sends per group and collective kind, so the
+trainer can log them, tests can check them against the formulas and the planner can time
+each group's bytes over its own link. There are no module-level groups:
 whoever needs a collective is handed the `Comm`.
 
 Bytes sent per rank, for a tensor of N bytes in a group of P ranks (what an ideal ring
@@ -31,6 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megaulysses.parallel.dims import DP_SP, TP
+
 
 # torch 2.13 renamed these; the old names still work but warn.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,15 +44,16 @@ BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p",
 
 
 class CommStats:
-    """Bytes sent by this rank per collective kind, since the last `pop`."""
+    """Bytes sent by this rank per (group, collective kind), since the last `pop`. The
+    group is the mesh dim name: it says which link the bytes cross (tools/plan.py)."""
 
     def __init__(self):
-        self.bytes = defaultdict(int)
+        self.bytes = defaultdict(int)  # (group, kind) -> bytes
         self.counting = True
 
-    def add(self, kind: str, nbytes: float):
+    def add(self, kind: str, nbytes: float, group: str):
         if self.counting:
-            self.bytes[kind] += int(nbytes)
+            self.bytes[(group, kind)] += int(nbytes)
 
     @contextlib.contextmanager
     def paused(self):
@@ -60,10 +64,16 @@ class CommStats:
         finally:
             self.counting = before
 
-    def pop(self) -> dict:
+    def pop(self, by_group: bool = False) -> dict:
+        """Bytes per kind ({kind: bytes}), or with `by_group` per {(group, kind): bytes}."""
         out = dict(self.bytes)
         self.bytes.clear()
-        return out
+        if by_group:
+            return out
+        kinds = defaultdict(int)
+        for (_, kind), n in out.items():
+            kinds[kind] += n
+        return dict(kinds)
 
 
 class Comm:
@@ -91,7 +101,7 @@ class Comm:
         DTensor calls torch's functional collectives from inside its dispatch; a dispatch
         mode sees them in forward and backward, so they land in the same ledger as ours.
         """
-        return _FunctionalCollectiveCounter(self.stats)
+        return _FunctionalCollectiveCounter(self.stats, lambda g: self.dim_of_group(g, TP))
 
     # -- plain collectives (no autograd) --------------------------------------------------
 
@@ -100,7 +110,7 @@ class Comm:
         p = self.size(dim)
         if p == 1:
             return None
-        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
+        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p, dim)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
 
@@ -110,7 +120,7 @@ class Comm:
         p = self.size(dim)
         if p == 1:
             return
-        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p)
+        self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p, dim)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
 
     def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int):
@@ -120,7 +130,7 @@ class Comm:
         group = self.group(dim)
         other = dist.get_global_rank(group, peer)
         received = torch.empty_like(tensor)
-        self.stats.add("p2p", _nbytes(tensor))
+        self.stats.add("p2p", _nbytes(tensor), dim)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, other, group),
                                         dist.P2POp(dist.irecv, received, other, group)])
         for w in works:
@@ -138,14 +148,15 @@ class Comm:
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
         for t in tensors:
-            self.stats.add("ring", _nbytes(t))
+            self.stats.add("ring", _nbytes(t), dim)
         return RingPass(dist.batch_isend_irecv(ops), received)
 
-    def count_p2p(self, ops):
-        """Count the sends among torch.distributed.pipelining's P2POps (it issues them)."""
+    def count_p2p(self, ops, dim: str):
+        """Count the sends among torch.distributed.pipelining's P2POps (it issues them
+        over the `dim` group)."""
         for op in ops:
             if op.op is dist.isend:
-                self.stats.add("p2p", _nbytes(op.tensor))
+                self.stats.add("p2p", _nbytes(op.tensor), dim)
 
     def gather_object(self, obj, dim: str):
         """Rank 0 of the `dim` group gets everybody's `obj` (pickled) in rank order; the
@@ -203,7 +214,7 @@ class Comm:
         chunks = [c.contiguous() for c in x.chunk(p, dim=scatter_dim)]
         send = torch.stack(chunks)  # [P, ...chunk]: the chunk for rank i at index i
         recv = torch.empty_like(send)
-        self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p)
+        self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p, dim)
         dist.all_to_all_single(recv, send, group=self.group(dim))
         return torch.cat(recv.unbind(0), dim=gather_dim)
 
@@ -226,7 +237,7 @@ class Comm:
         p = self.size(dim)
         out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
                           device=x.device)  # ranks' inputs stacked along dim 0
-        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p)
+        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
         _ALL_GATHER(out, x.contiguous(), group=self.group(dim))
         return torch.cat(out.chunk(p, dim=0), dim=gather_dim)
 
@@ -235,7 +246,7 @@ class Comm:
         chunks = x.chunk(p, dim=scatter_dim)
         send = torch.cat([c.contiguous() for c in chunks], dim=0)  # chunk i for rank i
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
-        self.stats.add("reduce_scatter", _nbytes(send) * (p - 1) / p)
+        self.stats.add("reduce_scatter", _nbytes(send) * (p - 1) / p, dim)
         _REDUCE_SCATTER(out, send, op=dist.ReduceOp.SUM, group=self.group(dim))
         return out
 
@@ -245,7 +256,7 @@ class Comm:
                             async_op: bool = False):
         """`out` = this rank's 1/P of the sum over ranks of the flat `inp` (P pieces)."""
         p = self.size(dim)
-        self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p)
+        self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p, dim)
         return _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
 
@@ -253,14 +264,26 @@ class Comm:
                         async_op: bool = False):
         """`out` = every rank's flat `inp`, in rank order."""
         p = self.size(dim)
-        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p)
+        self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
         return _ALL_GATHER(out, inp, group=self.group(dim), async_op=async_op)
 
     def fsdp_collectives(self):
         """(all-gather, reduce-scatter) for FSDP2's `set_custom_all_gather` /
         `set_custom_reduce_scatter`: the same c10d calls FSDP2 makes by default, counted
         here. The reduce-scatter always sums (the caller turns off FSDP's averaging)."""
-        return _FsdpAllGather(self.stats), _FsdpReduceScatter(self.stats)
+        of_group = lambda g: self.dim_of_group(g, DP_SP)  # noqa: E731
+        return _FsdpAllGather(self.stats, of_group), _FsdpReduceScatter(self.stats, of_group)
+
+    def dim_of_group(self, group_name: str, expected: str) -> str:
+        """The mesh dim whose process group is called `group_name`, for collectives torch
+        issues on a group we handed it (DTensor's, FSDP2's): `expected` when its group is
+        that one (a mesh may give two dims of the same ranks one group: sp and dp_sp when
+        dp = cp = 1), else the first that is."""
+        dims = [expected] + [d for d in self.meshes if d != expected]
+        for dim in dims:
+            if dim in self.meshes and self.meshes[dim].get_group().group_name == group_name:
+                return dim
+        raise KeyError(f"no mesh dim has the process group {group_name!r}")
 
 
 class RingPass:
@@ -274,22 +297,24 @@ class RingPass:
 
 
 class _FsdpAllGather:
-    def __init__(self, stats: CommStats):
-        self.stats = stats
+    def __init__(self, stats: CommStats, dim_of_group):
+        self.stats, self.dim_of_group = stats, dim_of_group
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         p = group.size()
-        self.stats.add("all_gather", _nbytes(output_tensor) * (p - 1) / p)
+        self.stats.add("all_gather", _nbytes(output_tensor) * (p - 1) / p,
+                       self.dim_of_group(group.group_name))
         return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _FsdpReduceScatter(_FsdpAllGather):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         p = group.size()
-        self.stats.add("reduce_scatter", _nbytes(input_tensor) * (p - 1) / p)
+        self.stats.add("reduce_scatter", _nbytes(input_tensor) * (p - 1) / p,
+                       self.dim_of_group(group.group_name))
         return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
                                async_op=async_op)
 
@@ -335,9 +360,9 @@ class _FunctionalCollectiveCounter(TorchDispatchMode):
     KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
              "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
 
-    def __init__(self, stats: CommStats):
+    def __init__(self, stats: CommStats, dim_of_group):
         super().__init__()
-        self.stats = stats
+        self.stats, self.dim_of_group = stats, dim_of_group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "_c10d_functional":
@@ -352,7 +377,7 @@ class _FunctionalCollectiveCounter(TorchDispatchMode):
         n = _nbytes(x)
         sent = {"all_gather": n * (p - 1), "reduce_scatter": n * (p - 1) / p,
                 "all_reduce": 2 * n * (p - 1) / p, "all_to_all": n * (p - 1) / p}[kind]
-        self.stats.add(kind, sent)
+        self.stats.add(kind, sent, self.dim_of_group(group_name))
 
 
 def _nbytes(t: torch.Tensor) -> int:

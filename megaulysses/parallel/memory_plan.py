@@ -142,7 +142,8 @@ product or cast beside them; plus the block's element mask, a byte per score):
                          also those received and the step's partial out and lse, 4*Q (merged
                          into the running ones in place, no temporaries of out's size)
 
-Communication per iteration, bytes this rank sends, comm.py's conventions: Ulysses
+Communication per iteration, bytes this rank sends per (group, kind), comm.py's conventions
+(the group is the mesh dim: sp, cp, tp, dp_sp, pp): Ulysses
 `ulysses_bytes_per_layer` over the ring rank's S/C positions per layer and micro-batch
 forward, again backward, and again for layers full recomputation reruns; the ring
 `ring_bytes_per_layer` (kind "ring": k, v forward, (C-1)*2*b*(S/C)*(kv/sp)*d*e; backward
@@ -171,13 +172,14 @@ assumes one document).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from megaulysses.config import Config, pipeline_layout
-from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.dims import CP, DP_SP, PP, SP, TP, ParallelDims
 from megaulysses.parallel.ring import ring_bytes_per_layer
 from megaulysses.parallel.ulysses import ulysses_bytes_per_layer
 
@@ -222,7 +224,9 @@ class MemoryPlan:
     layer_terms: dict = field(default_factory=dict)  # what a layer keeps, by term (full
     # recomputation: what it holds while recomputed)
     comm_bytes: dict = field(default_factory=dict)  # collective kind -> bytes/iteration
+    comm_by_group: dict = field(default_factory=dict)  # (mesh dim, kind) -> bytes/iteration
     attention: str = ""  # the attention core the plan assumes, in words
+    recomputed_layers: int = 0  # layers whose forward runs again per micro-batch (full)
 
 
 def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
@@ -244,6 +248,7 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
     moments = _moments(states, acts, rank, _held_outside_model(s, rank, dims.pp))
     name = max(moments, key=lambda k: sum(moments[k].values()))
     peak = moments[name]
+    by_group = comm_bytes(cfg, dims, s, states, acts, rank)
     return MemoryPlan(
         pp_rank=pp_rank, zero_stage=rank.zero_stage, layers=rank.layers,
         micro_batches=rank.m, in_flight=rank.in_flight, tokens=s.T,
@@ -252,7 +257,8 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         activation_bytes=peak["activations"], transient_bytes=peak["transient"],
         peak_bytes=sum(peak.values()), peak_moment=name, attention=_describe(s),
         moments={k: sum(v.values()) for k, v in moments.items()}, layer_terms=acts.terms,
-        comm_bytes=comm_bytes(cfg, dims, s, states, acts, rank))
+        comm_bytes=bytes_by_kind(by_group), comm_by_group=by_group,
+        recomputed_layers=acts.rerun[0])
 
 
 # -- what this rank runs -------------------------------------------------------------------
@@ -516,16 +522,26 @@ def _layout_blocks_attended(layout, n: int) -> int:
 
 # -- parameters and model states ---------------------------------------------------------------
 
+_PARAMS_CACHE: dict = {}  # (model config, layout, stages) -> [(name, shape)]; the
+# planner's grid search plans many grids of one model (a meta GPT takes ~50 ms to build)
+
+
 def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> list[tuple]:
     """(name, tensor-parallel local shape) of every parameter this pipeline rank holds:
     the GPT built on the meta device and cut to the rank's stages as parallelize does."""
-    from megaulysses.model.gpt import GPT
-    from megaulysses.parallel.pipeline import keep_stages
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    if dims.pp > 1:
-        keep_stages(model, pipeline_layout(cfg.model.num_layers, cfg.parallel), list(rank.ids))
-    return [(n, _tp_local(n, tuple(p.shape), dims.tp)) for n, p in model.named_parameters()]
+    layout = pipeline_layout(cfg.model.num_layers, cfg.parallel) if dims.pp > 1 else None
+    key = (repr(cfg.model), repr(layout), rank.ids)
+    if key not in _PARAMS_CACHE:
+        from megaulysses.model.gpt import GPT
+        from megaulysses.parallel.pipeline import keep_stages
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        if layout is not None:
+            keep_stages(model, layout, list(rank.ids))
+        if len(_PARAMS_CACHE) >= 256:
+            _PARAMS_CACHE.clear()
+        _PARAMS_CACHE[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [(n, _tp_local(n, shape, dims.tp)) for n, shape in _PARAMS_CACHE[key]]
 
 
 def _tp_local(name: str, shape: tuple, tp: int) -> tuple:
@@ -970,19 +986,19 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
 
 def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _Activations,
                rank: _RankLayout) -> dict:
-    """Bytes this rank sends per iteration by collective kind (the module doc's list)."""
-    out = dict.fromkeys(("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring"),
-                        0.0)
+    """Bytes this rank sends per iteration, {(group, kind): bytes} (the module doc's list;
+    the group is the mesh dim the collective runs over, as comm.CommStats counts it)."""
+    out = defaultdict(float)
     m, layers = rank.m, rank.layers
     forwards = m * (layers + acts.rerun[0])  # layer forwards per iteration
     if s.sp > 1:  # over the ring rank's S/C positions
         a2a = ulysses_bytes_per_layer(s.b, s.Sc, s.hq, s.hkv, s.d, s.sp, s.e)
-        out["all_to_all"] += a2a * (forwards + m * layers)
+        out[(SP, "all_to_all")] += a2a * (forwards + m * layers)
     if s.cp > 1:  # the ring: keys and values forward, again with their gradients backward;
         # its forward reruns with the layer (full) or the core (selective) recomputed
         fwd, bwd = ring_bytes_per_layer(s.b, s.S, s.kv // s.sp, s.d, s.cp, s.e)
         rings = forwards + (m * layers if acts.recompute == "selective" else 0)
-        out["ring"] += fwd * rings + bwd * m * layers
+        out[(CP, "ring")] += fwd * rings + bwd * m * layers
     if s.tp > 1:
         # Sublayer outputs reduced beyond two per layer forward: recompute.py's early stop
         # skips each group's last fc2 (with a tiled MLP it is off: the group reruns whole)
@@ -993,7 +1009,15 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
     if dims.pp > 1:
         _pipeline_p2p(out, cfg, s, st, rank)
     _scalars(out, dims)
-    return {k: int(v) for k, v in out.items() if v}
+    return {key: int(v) for key, v in out.items() if v}
+
+
+def bytes_by_kind(by_group: dict) -> dict:
+    """{(group, kind): bytes} summed over groups: {kind: bytes}."""
+    out = defaultdict(int)
+    for (_, kind), n in by_group.items():
+        out[kind] += n
+    return dict(out)
 
 
 def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwards: int,
@@ -1001,31 +1025,33 @@ def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwa
     """Forward: the sublayer outputs (e bytes) all-reduced, or under Megatron-SP
     reduce-scattered with the fp32 normed inputs all-gathered; backward the same kinds
     swapped (input gradients fp32). `extra`: sublayer outputs reduced beyond two per layer
-    forward (negative: recomputations that stop before the last one). Plus the vocab-parallel embedding's and loss's collectives, and
-    under Megatron-SP the norm weights' partial gradients (`norm_syncs` times)."""
+    forward (negative: recomputations that stop before the last one). Plus the
+    vocab-parallel embedding's and loss's collectives, and under Megatron-SP the norm
+    weights' partial gradients (`norm_syncs` times). All over the tp group."""
     m, layers, frac = rank.m, rank.layers, (s.tp - 1) / s.tp
     full = s.T * s.h  # elements of [b, s/sp, h]
     outputs = 2 * forwards + extra  # sublayer outputs reduced in forward
+    ag, rs, ar = (TP, "all_gather"), (TP, "reduce_scatter"), (TP, "all_reduce")
     if s.mega_sp:
-        out["all_gather"] += 2 * full * frac * (F32 * forwards + s.e * m * layers)
-        out["reduce_scatter"] += full * frac * (s.e * outputs + 2 * F32 * m * layers)
+        out[ag] += 2 * full * frac * (F32 * forwards + s.e * m * layers)
+        out[rs] += full * frac * (s.e * outputs + 2 * F32 * m * layers)
         if cfg.memory.tiled_mlp_chunks > 1:  # a tile's recompute gathers its input again
-            out["all_gather"] += full * frac * F32 * m * layers
+            out[ag] += full * frac * F32 * m * layers
         norms = 2 * layers + rank.last
-        out["all_reduce"] += 2 * F32 * s.h * frac * norms * norm_syncs
+        out[ar] += 2 * F32 * s.h * frac * norms * norm_syncs
     else:
-        out["all_reduce"] += 2 * full * frac * (s.e * outputs + 2 * F32 * m * layers)
+        out[ar] += 2 * full * frac * (s.e * outputs + 2 * F32 * m * layers)
     if rank.first:
-        out["all_reduce"] += 2 * F32 * full * frac * m  # the lookup's partial sums
+        out[ar] += 2 * F32 * full * frac * m  # the lookup's partial sums
         if s.mega_sp:
-            out["all_gather"] += F32 * full * frac * m  # its gradient, made whole
+            out[ag] += F32 * full * frac * m  # its gradient, made whole
     if rank.last:
-        out["all_reduce"] += 2 * 3 * F32 * s.T * frac * m  # row max, sum of exps, picked
+        out[ar] += 2 * 3 * F32 * s.T * frac * m  # row max, sum of exps, picked
         if s.mega_sp:  # the loss gathers its input, backward reduce-scatters the gradient
-            out["all_gather"] += s.e * full * frac * m
-            out["reduce_scatter"] += s.e * full * frac * m
+            out[ag] += s.e * full * frac * m
+            out[rs] += s.e * full * frac * m
         else:
-            out["all_reduce"] += 2 * s.e * full * frac * m  # the input gradient
+            out[ar] += 2 * s.e * full * frac * m  # the input gradient
 
 
 def _zero(out: dict, st: _States, m: int):
@@ -1035,18 +1061,19 @@ def _zero(out: dict, st: _States, m: int):
         return
     frac, whole = (st.n - 1) / st.n, st.n * st.piece  # padded: what ZeRO moves
     reduce, gather = st.reduce_e / F32, st.gather_e / F32
+    ar, ag, rs = (DP_SP, "all_reduce"), (DP_SP, "all_gather"), (DP_SP, "reduce_scatter")
     if st.stage == 0:
-        out["all_reduce"] += 2 * st.local * reduce * frac
+        out[ar] += 2 * st.local * reduce * frac
     elif st.stage == 1:
-        out["reduce_scatter"] += whole * reduce * frac
-        out["all_gather"] += whole * frac
+        out[rs] += whole * reduce * frac
+        out[ag] += whole * frac
     elif not st.fsdp_per_block or st.stage == 2:
-        out["reduce_scatter"] += (m if st.fsdp_per_block else 1) * whole * reduce * frac
-        out["all_gather"] += whole * gather * frac
+        out[rs] += (m if st.fsdp_per_block else 1) * whole * reduce * frac
+        out[ag] += whole * gather * frac
     else:  # stage 3: the root once and each block twice (forward, backward) per micro-batch
         root = st.n * st.root_piece
-        out["reduce_scatter"] += m * whole * reduce * frac
-        out["all_gather"] += m * (root + 2 * (whole - root)) * gather * frac
+        out[rs] += m * whole * reduce * frac
+        out[ag] += m * (root + 2 * (whole - root)) * gather * frac
 
 
 def _pipeline_p2p(out: dict, cfg: Config, s: _Shape, st: _States, rank: _RankLayout):
@@ -1054,18 +1081,19 @@ def _pipeline_p2p(out: dict, cfg: Config, s: _Shape, st: _States, rank: _RankLay
     input gradients backward (but the first); the tied embedding's gradient (ZeRO: its
     rows) goes between the first and the last stage."""
     sends = 2 * rank.chunks - rank.first - rank.last
-    out["p2p"] += sends * rank.m * F32 * s.Tr * s.h
+    out[(PP, "p2p")] += sends * rank.m * F32 * s.Tr * s.h
     tied = not cfg.model.untie_embeddings_and_output_weights
     if tied and rank.first != rank.last:
         rows = s.V if st.stage == 0 else -(-s.V // st.n)
-        out["p2p"] += F32 * rows * s.h
+        out[(PP, "p2p")] += F32 * rows * s.h
 
 
 def _scalars(out: dict, dims: ParallelDims):
     """The token count, the loss and the gradient norm: a few fp64 numbers."""
     ring = lambda p, nbytes: 2 * nbytes * (p - 1) / p  # noqa: E731
-    out["all_reduce"] += (3 * ring(_zero_ranks(dims), 8) + 2 * ring(dims.pp, 8)
-                          + ring(dims.tp, 16))
+    out[(DP_SP, "all_reduce")] += 3 * ring(_zero_ranks(dims), 8)
+    out[(PP, "all_reduce")] += 2 * ring(dims.pp, 8)
+    out[(TP, "all_reduce")] += ring(dims.tp, 16)
 
 
 # -- the table -------------------------------------------------------------------------------

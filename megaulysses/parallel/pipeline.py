@@ -96,12 +96,12 @@ class _Stage(PipelineStage):
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
-        self.comm.count_p2p(ops)
+        self.comm.count_p2p(ops, PP)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
-        self.comm.count_p2p(ops)
+        self.comm.count_p2p(ops, PP)
         return ops
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,

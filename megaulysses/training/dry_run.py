@@ -7,7 +7,10 @@ tokenizer for the vocabulary size); then `plan_memory` prints each pipeline stag
 per rank and the communication per iteration. Nothing is allocated: the model exists only
 on the meta device, inside the plan. The plan is made for `--dry-run-device` (cuda or cpu;
 default, the device the trainer would pick here), so a GPU run can be planned on a CPU
-machine: the device decides the attention kernel and the loss's chunks.
+machine: the device decides the attention kernel and the loss's chunks. With
+`--dry-run-gpu NAME` the plan is for cuda and every printed stage must fit that GPU of the
+planner's table less RESERVE_GIB; one that does not is a ConfigError (exit 2), after the
+plans are printed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 
 import torch
 
-from megaulysses.config import Config
+from megaulysses.config import Config, ConfigError
 from megaulysses.data.build import load_tokenizer
 from megaulysses.parallel.dims import ParallelDims
 from megaulysses.parallel.memory_plan import format_plan, plan_memory
@@ -32,9 +35,28 @@ def dry_run(cfg: Config) -> int:
         return 0
     device = _device(cfg)
     print(_header(cfg, dims, device))
-    for pp_rank in _stages_to_print(dims.pp):
-        print(format_plan(plan_memory(cfg, dims, pp_rank, device_type=device)))
+    plans = [plan_memory(cfg, dims, r, device_type=device) for r in _stages_to_print(dims.pp)]
+    for plan in plans:
+        print(format_plan(plan))
+    if cfg.memory.dry_run_gpu:
+        _check_fits(plans, cfg.memory.dry_run_gpu)
     return 0
+
+
+def _check_fits(plans: list, gpu_name: str):
+    """Every stage's peak within the GPU's memory less the planner's reserve."""
+    from megaulysses.planner.hardware import RESERVE_GIB, gpu_spec
+    gpu = gpu_spec(gpu_name)
+    usable = (gpu.memory_gib - RESERVE_GIB) * 2 ** 30
+    worst = max(plans, key=lambda p: p.peak_bytes)
+    if worst.peak_bytes > usable:
+        raise ConfigError("--dry-run-gpu", f"pipeline rank {worst.pp_rank} needs "
+                          f"{worst.peak_bytes / 2 ** 30:.1f} GiB a GPU, more than the "
+                          f"{usable / 2 ** 30:.1f} GiB usable on {gpu.name} ({gpu.memory_gib:g} "
+                          f"GiB less {RESERVE_GIB:g} reserved); python tools/plan.py finds "
+                          "grids that fit")
+    print(f"fits {gpu.name}: peak {worst.peak_bytes / 2 ** 30:.1f} GiB of "
+          f"{usable / 2 ** 30:.1f} GiB usable (pipeline rank {worst.pp_rank})")
 
 
 def _validated_dims(cfg: Config) -> ParallelDims:
@@ -47,7 +69,10 @@ def _validated_dims(cfg: Config) -> ParallelDims:
 
 
 def _device(cfg: Config) -> str:
-    """--dry-run-device, else the device the trainer would pick."""
+    """--dry-run-device (cuda under --dry-run-gpu), else the device the trainer would
+    pick."""
+    if cfg.memory.dry_run_gpu:
+        return "cuda"
     return cfg.memory.dry_run_device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 

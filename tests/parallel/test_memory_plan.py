@@ -7,7 +7,8 @@ micro-batches, and under pipeline parallelism torch's receive buffers, allocated
 first step and reused) -- benchmarks/fake_rank.py's split. Predicted: `plan_memory` from
 the config alone. TOLERANCE: |predicted - measured| <= 10% of measured, on every rank of
 every grid (issue 12, item 5). The communication bytes of the measured step (comm.stats)
-must match the plan's `comm_bytes` per kind.
+must match the plan's `comm_by_group` per (group, kind): the planner (tools/plan.py)
+times each group's bytes over its own link.
 
 The models are small (2 layers, hidden 64, 4 heads, vocab 512) at seq 256 and micro-batch
 2, so activations are most of the peak (the CPU block kernel's probabilities included);
@@ -93,12 +94,12 @@ def measure_grid(flags: list) -> tuple:
                        cp_rank=trainer.comm.rank(CP))
     del trainer
     gc.collect()
-    return measured, plan.peak_bytes, comm, plan.comm_bytes
+    return measured, plan.peak_bytes, comm, plan.comm_by_group
 
 
 def measured_peak(trainer) -> tuple[int, dict]:
     """Bytes held before the second step + the peak live bytes it allocated; and the
-    bytes it sent per collective kind."""
+    bytes it sent per (group, collective kind)."""
     import megaulysses.training.trainer as tr
     from megaulysses.training.live_bytes import LiveBytes, storage_bytes
     t = trainer.cfg.train
@@ -118,7 +119,7 @@ def measured_peak(trainer) -> tuple[int, dict]:
     trainer.comm.stats.pop()
     with LiveBytes() as mem:
         step(batches)
-    return held + mem.peak, trainer.comm.stats.pop()
+    return held + mem.peak, trainer.comm.stats.pop(by_group=True)
 
 
 def _pipeline_buffers(pipeline) -> list:
@@ -159,10 +160,44 @@ def test_plan_predicts_the_measured_peak(measured):
 
 def test_plan_predicts_the_communication_bytes(measured):
     for (world, rank, name), (_, _, comm, planned) in measured.items():
-        kinds = set(comm) | set(planned)
-        for kind in kinds:  # (per-call rounding to whole bytes aside)
-            got, want = comm.get(kind, 0), planned.get(kind, 0)
-            assert abs(got - want) <= 1e-4 * want + 64, (world, rank, name, kind, got, want)
+        for key in set(comm) | set(planned):  # (group, kind): the link the bytes cross
+            got, want = comm.get(key, 0), planned.get(key, 0)  # (per-call rounding aside)
+            assert abs(got - want) <= 1e-4 * want + 64, (world, rank, name, key, got, want)
+
+
+def test_planner_predicts_the_measured_grids(measured):
+    """tools/plan.py's validation (issue 14): the planner, given each measured grid as its
+    own Grid (search.configure, not the trainer's config), predicts the largest peak of
+    any rank within TOLERANCE, and the bytes per (group, kind) that the busiest pipeline
+    stage's rank 0 sent, exactly."""
+    from megaulysses.config import parse_args
+    from megaulysses.data.build import load_tokenizer
+    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.planner.search import Grid, evaluate
+    checked = 0
+    for world, grids in GRIDS.items():
+        for name, flags in grids.items():
+            cfg = parse_args(BASE + flags)
+            cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
+            par = cfg.parallel
+            tp, pp, sp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                              par.ds_sequence_parallel_size, par.context_parallel_size)
+            grid = Grid(world // (tp * pp * sp * cp), tp, pp, sp, cp, par.zero_stage,
+                        cfg.memory.recompute_granularity or "none",
+                        cfg.memory.tiled_mlp_chunks, cfg.train.micro_batch_size)
+            c = evaluate(cfg, grid, gpu_spec("A100-80GB"), 0.0, device_type="cpu")
+            assert c.kind == "fits", (name, c.reason)
+            peak = max(meas for (w, _, n), (meas, *_) in measured.items()
+                       if (w, n) == (world, name))
+            assert abs(c.prediction.memory_bytes - peak) <= TOLERANCE * peak, (name, peak)
+            stage = next(r for r in range(world) if measured[(world, r, name)][3]
+                         == c.prediction.comm_bytes)  # the slowest stage's planned bytes
+            sent = measured[(world, stage, name)][2]
+            for key in set(sent) | set(c.prediction.comm_bytes):
+                got, want = sent.get(key, 0), c.prediction.comm_bytes.get(key, 0)
+                assert abs(got - want) <= 1e-4 * want + 64, (world, name, key, got, want)
+            checked += 1
+    assert checked >= 12
 
 
 def test_selective_layer_terms_match_the_measured_starting_point():
@@ -262,6 +297,12 @@ def test_dry_run_of_ulysses_x_ring(capfd, flags, mask, keys):
         assert words in out, out
 
 
+def test_dry_run_gpu_says_the_plan_fits(capfd):
+    rc, out, err = run_main(PAPER_30B + ["--dry-run-gpu", "a100-80gb"], capfd)
+    assert rc == 0, err
+    assert "fits A100-80GB: peak" in out and "of 76.0 GiB usable" in out
+
+
 def test_dry_run_prints_every_pipeline_stage(capfd):
     rc, out, err = run_main(TINY + PP2 + ["--dry-run", "--dry-run-world-size", "2"], capfd)
     assert rc == 0, err
@@ -276,9 +317,14 @@ def test_dry_run_prints_every_pipeline_stage(capfd):
     (["--dry-run-world-size", "8"], "--dry-run-world-size"),
     (["--dry-run", "--dry-run-world-size", "8", "--tensor-model-parallel-size", "8"],
      "--tensor-model-parallel-size"),
-], ids=["grid-vs-world", "tiles-vs-sequence", "world-without-dry-run", "heads-vs-tp"])
+    (["--dry-run", "--dry-run-gpu", "V100"], "--dry-run-gpu: unknown GPU 'V100'"),
+    (["--dry-run-gpu", "H100"], "--dry-run-gpu: needs --dry-run"),
+    (PAPER_30B[:-2] + ["--dry-run-world-size", "8", "--dry-run-gpu", "A100-40GB"],
+     "--dry-run-gpu: pipeline rank 0 needs"),
+], ids=["grid-vs-world", "tiles-vs-sequence", "world-without-dry-run", "heads-vs-tp",
+        "unknown-gpu", "gpu-without-dry-run", "does-not-fit"])
 def test_dry_run_bad_input_is_one_line_and_exit_2(capfd, flags, flag):
-    rc, out, err = run_main(TINY + flags, capfd)
+    rc, out, err = run_main((TINY if flags[0] != PAPER_30B[0] else []) + flags, capfd)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], err

@@ -1,0 +1,71 @@
+"""The GPUs the planner knows: peak, memory and link bandwidths, one row each.
+
+Peaks are NVIDIA's dense bf16 tensor-core figures (SXM parts). Bandwidths are what a
+collective achieves per GPU ("bus bandwidth" as nccl-tests reports it), not the link's
+marketing figure: NVLink 3 (A100) is 300 GB/s a direction and reaches ~230; NVLink 4
+(H100/H200) is 450 and reaches ~370; between nodes one InfiniBand NIC per GPU, HDR
+200 Gb/s (25 GB/s, ~23 reached) on A100 nodes, NDR 400 Gb/s (50 GB/s, ~46) on H100/H200
+nodes. Memory is what `torch.cuda.get_device_properties().total_memory` reports.
+
+`efficiency` is the fraction of the peak that the model's kernels reach on hardware FLOPs
+(matmuls and flash attention, recomputation included). It is an assumption until a
+device check calibrates it (tools/plan.py --calibration device_check.json): 0.6 on A100
+(large bf16 GEMMs reach 70-80% of 312, FlashAttention-2 50-70%; Megatron-LM's published
+GPT runs reach ~52% of peak end to end, communication and bubble included), 0.5 on
+H100/H200 (GEMMs 65-75% of 989, FlashAttention-2 35-50% without Hopper-specific kernels).
+
+`ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
+kernel (model/block_attention.py), not flash attention; on CPU it is 1.7x slower than
+torch's SDPA (docs/attention_grid.md). On a GPU it is unmeasured: 0.5 is a guess, to be
+replaced by a measurement (or by a flash-attn ring step, which would make it 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_tflops: float  # dense bf16, TFLOP/s
+    memory_gib: float  # total device memory, GiB
+    hbm_gbps: float  # memory bandwidth, GB/s (the optimizer step is bound by it)
+    nvlink_gbps: float  # collective bandwidth inside a node, GB/s per GPU
+    ib_gbps: float  # collective bandwidth between nodes, GB/s per GPU
+    gpus_per_node: int = 8
+    efficiency: float = 0.6  # fraction of peak reached on hardware FLOPs
+    ring_kernel_speed: float = 0.5  # the ring's attention kernel's speed over flash's
+
+
+GPUS = {g.name: g for g in (
+    GPU("A100-40GB", 312.0, 40.0, 1555.0, 230.0, 23.0, efficiency=0.6),
+    GPU("A100-80GB", 312.0, 80.0, 2039.0, 230.0, 23.0, efficiency=0.6),
+    GPU("H100", 989.0, 79.6, 3350.0, 370.0, 46.0, efficiency=0.5),
+    GPU("H200", 989.0, 140.4, 4800.0, 370.0, 46.0, efficiency=0.5),
+)}
+
+RESERVE_GIB = 4.0  # default: what the plan's tensors cannot use (CUDA context, NCCL buffers,
+# cuBLAS workspace, the caching allocator's fragmentation)
+OVERRIDABLE = tuple(f.name for f in dataclasses.fields(GPU) if f.name != "name")
+
+
+class UnknownGPU(ValueError):
+    pass
+
+
+def gpu_spec(name: str, **overrides) -> GPU:
+    """The table's row for `name` (case-insensitive), with any field replaced (None: keep)."""
+    by_lower = {k.lower(): g for k, g in GPUS.items()}
+    if name.lower() not in by_lower:
+        raise UnknownGPU(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    bad = [k for k in changes if k not in OVERRIDABLE]
+    if bad:
+        raise ValueError(f"not a GPU field: {', '.join(bad)}")
+    for k, v in changes.items():
+        fraction = k in ("efficiency", "ring_kernel_speed")
+        if v <= 0 or (fraction and v > 1):
+            raise ValueError(f"{k} must be > 0{' and <= 1' if fraction else ''}, got {v}")
+    return dataclasses.replace(by_lower[name.lower()], **changes)

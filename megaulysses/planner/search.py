@@ -1,0 +1,207 @@
+"""Every grid of a model on N GPUs, checked and predicted; the fastest that fit first.
+
+A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
+(none, selective, full, full with the MLP tiled by 4) and the micro-batch. Each is checked
+by the trainer's own rules (`config.validate`, `ParallelDims.validate_config`): a grid the
+trainer would refuse is rejected with the trainer's message. Megatron-SP is on whenever
+tp > 1 (the same bytes as plain tensor parallelism, less memory); tp stays inside a node.
+
+The search does not predict what it can rule out: for a fixed (tp, pp, sp, cp, micro-batch)
+it walks the recomputation levels from the lightest, and at each level the ZeRO stages from
+0 up to the first that fits; a heavier level then only tries the stages below that one
+(more recomputation at the same or a higher ZeRO stage cannot be faster). Those not tried
+are counted as dominated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from megaulysses.config import Config, ConfigError, validate
+from megaulysses.parallel.dims import ParallelDims
+from megaulysses.planner.hardware import GPU, RESERVE_GIB
+from megaulysses.planner.time_model import Prediction, predict
+
+LEVELS = (("none", 1), ("selective", 1), ("full", 1), ("full", 4))  # (recompute, MLP tiles)
+ZERO_STAGES = (0, 1, 2, 3)
+MICRO_BATCHES = (1, 2, 4, 8)
+FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch")
+
+
+@dataclass(frozen=True)
+class Grid:
+    dp: int
+    tp: int
+    pp: int
+    sp: int
+    cp: int
+    zero: int
+    recompute: str  # none | selective | full
+    tiles: int  # --tiled-mlp-chunks
+    micro_batch: int
+
+    def flags(self) -> list[str]:
+        """The pretrain_gpt.py flags of this grid."""
+        out = ["--tensor-model-parallel-size", str(self.tp),
+               "--pipeline-model-parallel-size", str(self.pp),
+               "--ds-sequence-parallel-size", str(self.sp),
+               "--context-parallel-size", str(self.cp), "--zero-stage", str(self.zero),
+               "--micro-batch-size", str(self.micro_batch)]
+        out += ["--sequence-parallel"] if self.tp > 1 else []
+        out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
+        return out + (["--tiled-mlp-chunks", str(self.tiles)] if self.tiles > 1 else [])
+
+    def __str__(self) -> str:
+        return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x sp {self.sp} x cp {self.cp}, "
+                f"ZeRO-{self.zero}, recompute {self.recompute}"
+                f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}, "
+                f"micro-batch {self.micro_batch}")
+
+
+@dataclass
+class Candidate:
+    grid: Grid
+    prediction: Optional[Prediction] = None
+    reason: Optional[str] = None  # why it was rejected (None: it fits)
+    kind: str = "fits"  # fits | invalid | memory
+
+
+@dataclass
+class SearchResult:
+    ranked: list  # Candidates that fit, fastest first
+    rejected: list  # invalid or too big
+    dominated: int  # not predicted: a lighter setting of the same grid fits
+    gpus: int = 0
+    gpu: Optional[GPU] = None
+
+    def reasons(self) -> list[tuple[str, int, str]]:
+        """(what, how many, an example) per reason, most frequent first."""
+        counts = Counter(_reason_key(c) for c in self.rejected)
+        example = {}
+        for c in self.rejected:
+            example.setdefault(_reason_key(c), c)
+        return [(key, n, f"{example[key].grid}: {example[key].reason}")
+                for key, n in counts.most_common()]
+
+    def faster_rejected(self, n: int = 3) -> list:
+        """Grids predicted faster than the best that fits, rejected for memory."""
+        best = self.ranked[0].prediction.time_s if self.ranked else float("inf")
+        big = [c for c in self.rejected if c.kind == "memory" and c.prediction.time_s < best]
+        return sorted(big, key=lambda c: c.prediction.time_s)[:n]
+
+
+def _reason_key(c: Candidate) -> str:
+    return "does not fit in memory" if c.kind == "memory" else c.reason.split(":")[0]
+
+
+def configure(base: Config, grid: Grid) -> Config:
+    """`base` with `grid`'s flags, checked by the trainer's flag rules (ConfigError)."""
+    cfg = copy.deepcopy(base)
+    par, mem = cfg.parallel, cfg.memory
+    par.tensor_model_parallel_size, par.pipeline_model_parallel_size = grid.tp, grid.pp
+    par.ds_sequence_parallel_size, par.context_parallel_size = grid.sp, grid.cp
+    par.sequence_parallel, par.zero_stage = grid.tp > 1, grid.zero
+    cfg.train.micro_batch_size, mem.tiled_mlp_chunks = grid.micro_batch, grid.tiles
+    full = grid.recompute == "full"
+    mem.recompute_granularity = None if grid.recompute == "none" else grid.recompute
+    mem.recompute_method = (base.memory.recompute_method or "uniform") if full else None
+    mem.recompute_num_layers = (base.memory.recompute_num_layers or 1) if full else None
+    validate(cfg)
+    return cfg
+
+
+def evaluate(base: Config, grid: Grid, gpu: GPU, reserve_gib: float,
+             device_type: str = "cuda") -> Candidate:
+    """One grid: rejected by the trainer's rules, or predicted (and fitting or not)."""
+    if grid.tp > gpu.gpus_per_node:
+        return Candidate(grid, reason=f"--tensor-model-parallel-size: {grid.tp} spans nodes "
+                         f"(tp stays within the {gpu.gpus_per_node} GPUs of a node)",
+                         kind="invalid")
+    try:
+        cfg = configure(base, grid)
+        dims = ParallelDims(dp=grid.dp, tp=grid.tp, pp=grid.pp, sp=grid.sp, cp=grid.cp)
+        dims.validate_config(cfg)
+    except ConfigError as e:
+        return Candidate(grid, reason=str(e), kind="invalid")
+    p = predict(cfg, dims, gpu, reserve_gib, device_type)
+    if not p.fits:
+        return Candidate(grid, p, reason=f"needs {p.memory_bytes / 2 ** 30:.1f} GiB on "
+                         f"pipeline rank {p.memory_stage}, {p.usable_bytes / 2 ** 30:.1f} "
+                         "usable", kind="memory")
+    return Candidate(grid, p)
+
+
+def search(base: Config, gpus: int, gpu: GPU, fixed: Optional[dict] = None,
+           reserve_gib: float = RESERVE_GIB) -> SearchResult:
+    """Every grid of `base`'s model on `gpus` GPUs; `fixed` holds some of FIELDS at the
+    given values (the flags the user gave)."""
+    fixed = fixed or {}
+    ranked, rejected, dominated = [], [], 0
+    for shape in _shapes(gpus, base, fixed):
+        for mb in _micro_batches(base, shape[0], fixed):
+            fits, tried, skipped = _walk(base, shape, mb, gpu, reserve_gib, fixed)
+            ranked += fits
+            rejected += tried
+            dominated += skipped
+    ranked.sort(key=lambda c: c.prediction.time_s)
+    return SearchResult(ranked, rejected, dominated, gpus, gpu)
+
+
+def _shapes(gpus: int, base: Config, fixed: dict) -> Iterator[tuple]:
+    """(dp, tp, pp, sp, cp) with the product of the last four dividing `gpus`."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    pick = lambda name, options: [fixed[name]] if name in fixed else options  # noqa: E731
+    layers = base.model.num_layers
+    for tp in pick("tp", [d for d in divisors if d <= base.model.num_attention_heads]):
+        for pp in pick("pp", [d for d in divisors if d <= layers]):
+            for sp in pick("sp", divisors):
+                for cp in pick("cp", divisors):
+                    if gpus % (tp * pp * sp * cp) == 0:
+                        yield gpus // (tp * pp * sp * cp), tp, pp, sp, cp
+
+
+def _micro_batches(base: Config, dp: int, fixed: dict) -> list[int]:
+    if "micro_batch" in fixed:
+        return [fixed["micro_batch"]]
+    per_dp = base.train.global_batch_size // dp if base.train.global_batch_size % dp == 0 else 1
+    return [b for b in MICRO_BATCHES if per_dp % b == 0] or [1]
+
+
+def _walk(base: Config, shape: tuple, mb: int, gpu: GPU, reserve_gib: float,
+          fixed: dict) -> tuple[list, list, int]:
+    """(fitting, rejected, dominated) of one shape and micro-batch over the recomputation
+    levels and ZeRO stages (the module doc's order)."""
+    dp, tp, pp, sp, cp = shape
+    stages = [fixed["zero"]] if "zero" in fixed else (
+        list(ZERO_STAGES) if dp * cp * sp > 1 else [0])
+    levels = [(r, t) for r, t in LEVELS
+              if fixed.get("recompute", r) == r and fixed.get("tiles", t) == t]
+    if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
+        levels = [(r, fixed["tiles"]) for r in ("none", "selective", "full")
+                  if fixed.get("recompute", r) == r]
+    fits, rejected, limit, tried = [], [], len(stages), 0
+    for recompute, tiles in levels:
+        for i, zero in enumerate(stages[:limit]):
+            c = evaluate(base, Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb), gpu,
+                         reserve_gib)
+            tried += 1
+            if c.kind == "fits":
+                fits.append(c)
+                limit = i
+                break
+            rejected.append(c)
+            if c.kind == "invalid" and not _depends_on_level(c):
+                return fits, rejected, 0  # the shape itself is invalid: nothing else fits
+        if limit == 0:
+            break
+    return fits, rejected, len(levels) * len(stages) - tried
+
+
+def _depends_on_level(c: Candidate) -> bool:
+    """A rule that another recomputation level or ZeRO stage could still satisfy (else
+    the shape itself is invalid, counted once)."""
+    return c.reason.split(":")[0] in ("--recompute-num-layers", "--tiled-mlp-chunks",
+                                      "--zero-stage")

@@ -1,0 +1,182 @@
+"""tools/plan.py: the search, the time model's arithmetic, and bad input (one line, exit 2).
+
+The memory and the communication bytes the planner predicts are validated against real
+gloo ranks in tests/parallel/test_memory_plan.py (test_planner_predicts_the_measured_grids);
+here, in one process: what the search returns and rejects, which link each group's bytes
+cross, and that the time parts add up.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLAN = os.path.join(ROOT, "tools", "plan.py")
+# A small GPT-2-shaped model: fast to search, still big enough for memory to bind on 40 GB.
+MODEL = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+         "--seq-length", "131072", "--max-position-embeddings", "131072",
+         "--global-batch-size", "4", "--vocab-size", "50257", "--bf16"]
+
+
+def run_plan(args, tmp_path=None):
+    out = subprocess.run([sys.executable, PLAN, *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    return out.returncode, out.stdout, out.stderr
+
+
+def base_config(extra=()):
+    from megaulysses.config import parse_args
+    from megaulysses.data.build import load_tokenizer
+    cfg = parse_args(MODEL + ["--tokenizer-type", "NullTokenizer", "--mock-data",
+                              "--micro-batch-size", "1", *extra])
+    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
+    return cfg
+
+
+def test_search_ranks_fitting_grids_fastest_first_and_says_why_others_fail():
+    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.planner.search import search
+    result = search(base_config(), 16, gpu_spec("A100-40GB"))
+    times = [c.prediction.time_s for c in result.ranked]
+    assert len(times) >= 5 and times == sorted(times)
+    usable = result.ranked[0].prediction.usable_bytes
+    assert all(c.prediction.memory_bytes <= usable for c in result.ranked)
+    kinds = {c.kind for c in result.rejected}
+    assert kinds == {"invalid", "memory"}
+    assert all(c.prediction.memory_bytes > usable for c in result.rejected if c.kind == "memory")
+    reasons = dict((k, n) for k, n, _ in result.reasons())
+    assert "--global-batch-size" in reasons and "does not fit in memory" in reasons
+    for c in result.faster_rejected():  # faster than the best, and too big
+        assert c.prediction.time_s < times[0] and c.kind == "memory"
+    assert result.dominated > 0
+
+
+def test_fixed_flags_hold_the_grid():
+    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.planner.search import search
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "recompute": "full", "tiles": 1}
+    result = search(base_config(), 16, gpu_spec("A100-80GB"), fixed)
+    assert result.ranked
+    for c in result.ranked + [c for c in result.rejected if c.kind == "memory"]:
+        g = c.grid
+        assert (g.tp, g.pp, g.cp, g.zero, g.recompute, g.tiles) == (1, 1, 1, 3, "full", 1)
+    assert {c.grid.sp for c in result.ranked} <= {1, 2, 4, 8, 16}
+
+
+def test_time_parts_add_up_and_links_follow_the_mesh():
+    """Compute from hardware FLOPs at the table's efficiency; one node: every group on
+    NVLink; 4 nodes: sp 8 stays in a node, dp x sp crosses InfiniBand."""
+    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.planner.search import Grid, configure
+    from megaulysses.planner.time_model import comm_seconds, link_of, predict
+    gpu = gpu_spec("A100-80GB")
+    cfg = configure(base_config(), Grid(4, 1, 1, 8, 1, 3, "full", 1, 1))
+    dims = ParallelDims(dp=4, tp=1, pp=1, sp=8, cp=1)
+    p = predict(cfg, dims, gpu)
+    assert p.bubble_s == 0
+    assert p.time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.optimizer_s)
+    assert p.links == {"sp": "NVLink", "dp_sp": "NVLink+InfiniBand"}
+    m = cfg.model
+    tokens, h, S, q = m.seq_length / 8, m.hidden_size, m.seq_length, m.hidden_size
+    gemm = 2 * (h * 4 * q + h * m.ffn_size * (3 if m.swiglu else 2))  # MHA
+    attn = 2 * S * q
+    layers = m.num_layers
+    flops = tokens * (3 * layers * gemm + 3.5 * layers * attn + layers * (gemm + attn)
+                      + 3 * 2 * h * m.padded_vocab_size)
+    assert p.compute_s == pytest.approx(flops / (312e12 * 0.6), rel=1e-9)
+    # all-to-all over 8 GPUs of one node: NVLink; over 16 of two nodes: half of it on IB
+    assert comm_seconds(230e9, "sp", "all_to_all", dims, gpu) == pytest.approx(1.0)
+    wide = ParallelDims(dp=2, tp=1, pp=1, sp=16, cp=1)
+    assert link_of(wide, "sp", gpu) == "NVLink+InfiniBand"
+    assert comm_seconds(15e9, "sp", "all_to_all", wide, gpu) == pytest.approx(
+        max(7 / 15 * 15e9 / 230e9, 8 / 15 * 15e9 / 23e9))
+    assert comm_seconds(23e9, "dp_sp", "reduce_scatter", dims, gpu) == pytest.approx(1.0)
+
+
+def test_ring_attention_runs_at_the_ring_kernel_speed():
+    import dataclasses
+    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.planner.search import Grid, configure
+    from megaulysses.planner.time_model import predict
+    gpu = gpu_spec("H100")
+    cfg = configure(base_config(), Grid(1, 1, 1, 4, 2, 3, "full", 1, 1))
+    dims = ParallelDims(dp=1, tp=1, pp=1, sp=4, cp=2)
+    slow = predict(cfg, dims, gpu)
+    fast = predict(cfg, dims, dataclasses.replace(gpu, ring_kernel_speed=1.0))
+    assert fast.compute_s < slow.compute_s < 2 * fast.compute_s
+
+
+def test_cli_prints_the_top_grids_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    rc, stdout, stderr = run_plan(["--gpus", "16", "--gpu", "a100-40gb", "--top", "3",
+                                   "--json", str(out), *MODEL])
+    assert rc == 0, stderr
+    assert "16 x A100-40GB" in stdout and "rejected:" in stdout
+    data = json.loads(out.read_text())
+    assert len(data["top"]) == 3
+    assert data["top"][0]["time_s"] <= data["top"][1]["time_s"]
+    assert "--tensor-model-parallel-size" in data["top"][0]["flags"]
+
+
+def test_cli_one_grid_given_in_full(tmp_path):
+    rc, stdout, _ = run_plan(["--gpus", "16", *MODEL, "--ds-sequence-parallel-size", "8",
+                              "--tensor-model-parallel-size", "1",
+                              "--pipeline-model-parallel-size", "1",
+                              "--context-parallel-size", "1", "--zero-stage", "3",
+                              "--recompute-granularity", "full", "--tiled-mlp-chunks", "1",
+                              "--micro-batch-size", "1"])
+    assert rc == 0
+    assert "1 grids fit" in stdout
+    assert "dp 2 x tp 1 x pp 1 x sp 8 x cp 1, ZeRO-3, recompute full" in stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--gpus", "16", "--gpu", "V100", *MODEL], "--gpu: unknown GPU 'V100'"),
+    (["--gpus", "0", *MODEL], "--gpus: must be > 0"),
+    (["--gpus", "16", "--efficiency", "1.5", *MODEL], "efficiency must be > 0 and <= 1"),
+    (["--gpus", "16", *MODEL, "--ds-sequence-parallel-size", "3"],
+     "no grid of 16 x A100-80GB is valid"),
+    (["--gpus", "8", *MODEL, "--tensor-model-parallel-size", "1",
+      "--pipeline-model-parallel-size", "1", "--ds-sequence-parallel-size", "32",
+      "--context-parallel-size", "1", "--zero-stage", "3"],
+     "tp*pp*sp*cp must divide 8"),
+    (["--gpus", "32", *MODEL, "--tensor-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "1", "--ds-sequence-parallel-size", "16",
+      "--context-parallel-size", "1", "--zero-stage", "3", "--recompute-granularity", "full",
+      "--tiled-mlp-chunks", "1", "--micro-batch-size", "1"],
+     "the grid is not valid on 32 x A100-80GB: dp 1 x tp 2 x pp 1 x sp 16"),
+    (["--gpus", "8", "--gpu", "A100-40GB", "--num-layers", "64", "--hidden-size", "8192",
+      "--num-attention-heads", "64", "--seq-length", "1048576",
+      "--max-position-embeddings", "1048576", "--global-batch-size", "1",
+      "--vocab-size", "50257", "--bf16"], "the model fits on no grid of 8 x A100-40GB"),
+    (["--gpus", "16", "--calibration", "/nonexistent.json", *MODEL], "--calibration"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says):
+    rc, stdout, stderr = run_plan(args)
+    assert rc == 2, (stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_calibration_from_a_device_check_json(tmp_path):
+    """The efficiency a measured 1-GPU step reached: the planner's compute time at
+    efficiency 1 over the measured time (less the optimizer's)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from device_check import BIG, model_flags
+    flags = model_flags(dict(BIG, seq=4096), 4096)
+    path = tmp_path / "device_check.json"
+    path.write_text(json.dumps({"parts": {"throughput": {
+        "device": "NVIDIA H200", "step_s": 2.0, "flags": flags}}}))
+    rc, stdout, stderr = run_plan(["--gpus", "8", "--gpu", "H200", "--calibration",
+                                   str(path), *MODEL])
+    assert rc == 0, stderr
+    assert "calibration: NVIDIA H200" in stdout
+    rc, _, stderr = run_plan(["--gpus", "8", "--gpu", "A100-80GB", "--calibration",
+                              str(path), *MODEL])
+    assert rc == 2 and "measured on NVIDIA H200, not A100-80GB" in stderr
