@@ -40,6 +40,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+OTHER_GROUP = "other"  # CommStats' group for collectives on a group that is no mesh dim
 BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring")
 
 
@@ -278,12 +279,13 @@ class Comm:
         """The mesh dim whose process group is called `group_name`, for collectives torch
         issues on a group we handed it (DTensor's, FSDP2's): `expected` when its group is
         that one (a mesh may give two dims of the same ranks one group: sp and dp_sp when
-        dp = cp = 1), else the first that is."""
+        dp = cp = 1), else the first that is, else OTHER_GROUP."""
         dims = [expected] + [d for d in self.meshes if d != expected]
-        for dim in dims:
-            if dim in self.meshes and self.meshes[dim].get_group().group_name == group_name:
+        for dim in dims:  # the 1-D meshes ("world" is the whole grid: no one group)
+            mesh = self.meshes.get(dim)
+            if mesh is not None and mesh.ndim == 1 and mesh.get_group().group_name == group_name:
                 return dim
-        raise KeyError(f"no mesh dim has the process group {group_name!r}")
+        return OTHER_GROUP  # a group of no mesh dim (e.g. a checkpoint's): still counted
 
 
 class RingPass:
