@@ -58,7 +58,19 @@ def run_main(args, capfd) -> subprocess.CompletedProcess:
 
 def test_missing_data_file(capfd):
     proc = run_main(TINY + ["--data-path", "/nonexistent/corpus_text_document"], capfd)
-    assert_one_line_error(proc, "--data-path", "/nonexistent/corpus_text_document")
+    assert_one_line_error(proc, "--data-path", "/nonexistent/corpus_text_document",
+                          "without .bin or .idx")
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_data_path_to_the_bin_or_idx_file_means_its_prefix(suffix, tmp_path):
+    """Issue 15, item 7: `--data-path X.bin` used to say `X.bin.bin/.idx not found`."""
+    from megaulysses.config import parse_args
+    from megaulysses.data.build import build_datasets, load_tokenizer
+    cfg = parse_args(TINY + ["--data-path", DATA + suffix,
+                             "--data-cache-path", str(tmp_path / "cache")])
+    train, valid, _ = build_datasets(cfg, load_tokenizer(cfg).vocab_size)
+    assert len(train) >= 6 * 4 and valid is not None
 
 
 def test_missing_tokenizer_file(capfd):

@@ -54,9 +54,11 @@ def build_datasets(cfg: Config, vocab_size: int):
         prefixes, weights = parse_data_path(cfg.data.data_path)
     except ValueError as e:
         raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip())
+    prefixes = [_prefix_of(p) for p in prefixes]
     for prefix in prefixes:
         if not dataset_exists(prefix):
-            raise ConfigError("--data-path", f"{prefix}.bin/.idx not found")
+            raise ConfigError("--data-path", f"{prefix}.bin/.idx not found (give the "
+                              "prefix, without .bin or .idx)")
     cache = cfg.data.data_cache_path or prefixes[0] + "_cache"
     try:
         for prefix in prefixes:
@@ -69,6 +71,14 @@ def build_datasets(cfg: Config, vocab_size: int):
         msg = str(e)
         flag = msg.split(":")[0] if msg.startswith("--") else "--data-path"
         raise ConfigError(flag, msg.removeprefix(flag + ":").strip())
+
+
+def _prefix_of(path: str) -> str:
+    """Megatron's --data-path is a prefix; a path to its .bin or .idx means the same one."""
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix) and dataset_exists(path[:-len(suffix)]):
+            return path[:-len(suffix)]
+    return path
 
 
 def _check_vocab(prefix: str, vocab_size: int, cache_dir: str):
