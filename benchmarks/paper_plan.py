@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from megaulysses.config import parse_args  # noqa: E402
 from megaulysses.data.build import load_tokenizer  # noqa: E402
-from megaulysses.planner.hardware import gpu_spec  # noqa: E402
+from megaulysses.planner.hardware import RESERVE_GIB, gpu_spec  # noqa: E402
 from megaulysses.planner.search import Grid, evaluate, search  # noqa: E402
 
 GIB = 2 ** 30
@@ -89,15 +89,10 @@ def scripted(gpu) -> list[dict]:
             grid = Grid(gpus // (tp * pp * sp * cp), tp, pp, sp, cp, par.zero_stage,
                         mem.recompute_granularity or "none", mem.tiled_mlp_chunks,
                         cfg.train.micro_batch_size)
-            c = evaluate(cfg, grid, gpu, gpu_reserve())
+            c = evaluate(cfg, grid, gpu, RESERVE_GIB)
             rows.append(dict(script=script, name=name, gpus=gpus, seq=cfg.model.seq_length,
                              grid=str(grid), **_figures(c)))
     return rows
-
-
-def gpu_reserve() -> float:
-    from megaulysses.planner.hardware import RESERVE_GIB
-    return RESERVE_GIB
 
 
 def _figures(c) -> dict:
