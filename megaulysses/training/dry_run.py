@@ -31,19 +31,23 @@ def dry_run(cfg: Config) -> int:
     """Validate `cfg` on its grid and print the plan (from global rank 0 only). Returns the
     exit code, 0; a rule that fails raises ConfigError, as in training."""
     dims = _validated_dims(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:
+    speak = int(os.environ.get("RANK", "0")) == 0
+    if not speak and not cfg.memory.dry_run_gpu:
         return 0
     device = _device(cfg)
-    print(_header(cfg, dims, device))
+    # Every rank plans under --dry-run-gpu (arithmetic only), so every rank exits 2 when
+    # the plan does not fit, as with any other rule.
     plans = [plan_memory(cfg, dims, r, device_type=device) for r in _stages_to_print(dims.pp)]
-    for plan in plans:
-        print(format_plan(plan))
+    if speak:
+        print(_header(cfg, dims, device))
+        for plan in plans:
+            print(format_plan(plan))
     if cfg.memory.dry_run_gpu:
-        _check_fits(plans, cfg.memory.dry_run_gpu)
+        _check_fits(plans, cfg.memory.dry_run_gpu, speak)
     return 0
 
 
-def _check_fits(plans: list, gpu_name: str):
+def _check_fits(plans: list, gpu_name: str, speak: bool = True):
     """Every stage's peak within the GPU's memory less the planner's reserve."""
     from megaulysses.planner.hardware import RESERVE_GIB, gpu_spec
     gpu = gpu_spec(gpu_name)
@@ -55,8 +59,9 @@ def _check_fits(plans: list, gpu_name: str):
                           f"{usable / 2 ** 30:.1f} GiB usable on {gpu.name} ({gpu.memory_gib:g} "
                           f"GiB less {RESERVE_GIB:g} reserved); python tools/plan.py finds "
                           "grids that fit")
-    print(f"fits {gpu.name}: peak {worst.peak_bytes / 2 ** 30:.1f} GiB of "
-          f"{usable / 2 ** 30:.1f} GiB usable (pipeline rank {worst.pp_rank})")
+    if speak:
+        print(f"fits {gpu.name}: peak {worst.peak_bytes / 2 ** 30:.1f} GiB of "
+              f"{usable / 2 ** 30:.1f} GiB usable (pipeline rank {worst.pp_rank})")
 
 
 def _validated_dims(cfg: Config) -> ParallelDims:

@@ -303,6 +303,18 @@ def test_dry_run_gpu_says_the_plan_fits(capfd):
     assert "fits A100-80GB: peak" in out and "of 76.0 GiB usable" in out
 
 
+@pytest.mark.parametrize("gpu,rc", [("A100-40GB", 2), ("A100-80GB", 0)])
+def test_dry_run_gpu_on_another_rank_exits_the_same_and_prints_nothing(
+        capfd, monkeypatch, gpu, rc):
+    """Under torchrun every rank runs --dry-run: a plan that does not fit exits 2 on every
+    rank (rank 0 alone prints the line), one that fits exits 0 on every rank."""
+    monkeypatch.setenv("RANK", "1")
+    flags = PAPER_30B[:-2] + ["--dry-run-world-size", "8", "--dry-run-gpu", gpu]
+    got, out, err = run_main(flags, capfd)
+    assert got == rc
+    assert out.strip() == "" and err.strip() == "", out + err
+
+
 def test_dry_run_prints_every_pipeline_stage(capfd):
     rc, out, err = run_main(TINY + PP2 + ["--dry-run", "--dry-run-world-size", "2"], capfd)
     assert rc == 0, err
