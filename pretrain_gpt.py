@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from megaulysses.config import CheckpointError, ConfigError, parse_args
+from megaulysses.config import CheckpointError, ConfigError, TrainingError, parse_args
 
 
 def rank() -> int:
@@ -23,11 +23,14 @@ def setup_logging():
                         datefmt="%H:%M:%S")
 
 
-# With no flags at all, the default run also keeps its outputs (issue: a person running
-# it sees curves and a checkpoint). With any flag, nothing is written unless asked for.
-DEFAULT_RUN_OUTPUTS = ["--save", "runs/default/checkpoints",
-                       "--tensorboard-dir", "runs/default/tensorboard",
-                       "--metrics-jsonl", "runs/default/metrics.jsonl"]
+# With no flags at all: the bundled default run. It keeps its outputs (a person running
+# it sees curves and a checkpoint), resumes from them when run again, and samples from the
+# trained model. Its other settings are the flags' defaults. With any flag, nothing is
+# written or sampled unless asked for.
+DEFAULT_RUN = ["--global-batch-size", "16", "--min-lr", "2e-4", "--generate", "200",
+               "--save", "runs/default/checkpoints", "--load", "runs/default/checkpoints",
+               "--tensorboard-dir", "runs/default/tensorboard",
+               "--metrics-jsonl", "runs/default/metrics.jsonl"]
 
 
 def _leave_process_group():
@@ -38,13 +41,31 @@ def _leave_process_group():
         dist.destroy_process_group()
 
 
+def _exit_after_lost_rank(e: BaseException, cfg) -> None:
+    """A collective failed (a rank died or hangs): one line from every rank that is left,
+    naming the lost ranks, then exit 1 at once: leaving the process group or joining a
+    background save could wait on the lost rank forever. Checkpoints are committed by a
+    rename, so the last one is intact."""
+    from megaulysses.training.faults import failure_line
+    timeout = cfg.parallel.distributed_timeout_minutes if cfg else 10.0
+    try:
+        line = failure_line(e, timeout)
+    except Exception as inner:  # the roll call itself failed: still one line, no hang
+        line = f"rank {rank()}: a collective failed ({e}); naming the lost rank failed too " \
+               f"({inner})"
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def main(argv=None) -> int:
     setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
-        argv = DEFAULT_RUN_OUTPUTS
+        argv = DEFAULT_RUN
         logging.info("no flags: the bundled default run (examples/pretrain_shakespeare_default.sh "
                      "spells out every flag); outputs in runs/default/")
+    cfg = None
     try:
         cfg = parse_args(argv)
         if cfg.memory.dry_run:
@@ -61,6 +82,15 @@ def main(argv=None) -> int:
         if rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # every rank stops at the same step, as decided together
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from megaulysses.training.faults import is_distributed_failure
+        if is_distributed_failure(e):
+            _exit_after_lost_rank(e, cfg)
+        raise
     finally:
         _leave_process_group()
     if text is not None:

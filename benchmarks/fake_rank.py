@@ -163,9 +163,9 @@ def _fake_patches():
     build_mesh, gpt, to_empty = ParallelDims.build_mesh, tr.GPT, torch.nn.Module.to_empty
     mesh_init = DeviceMesh.__init__
 
-    def real_mesh(self, device_type):
+    def real_mesh(self, device_type, timeout=None):
         with unset_fake_temporarily():
-            return build_mesh(self, device_type)
+            return build_mesh(self, device_type, timeout)
 
     def real_mesh_init(self, *args, **kwargs):  # FSDP2 over a 2-D (dp_sp, tp) mesh makes one
         with unset_fake_temporarily():

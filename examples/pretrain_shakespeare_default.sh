@@ -13,4 +13,4 @@ python pretrain_gpt.py \
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
     --eval-interval 50 --eval-iters 5 --log-interval 10 \
     --save runs/default/checkpoints --tensorboard-dir runs/default/tensorboard \
-    --metrics-jsonl runs/default/metrics.jsonl --generate 200 "$@"
+    --load runs/default/checkpoints --metrics-jsonl runs/default/metrics.jsonl --generate 200 "$@"

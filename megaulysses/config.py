@@ -49,6 +49,11 @@ class CheckpointError(ValueError):
     either.)"""
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. every step skipped for non-finite values): one line,
+    exit 1, nothing saved past the last good checkpoint."""
+
+
 # What the attention may see: not part of a checkpoint's shape (any mask loads any weights).
 MASK_FIELDS = ("window_size", "attention_sparsity", "sparse_block_size", "sparse_local_blocks",
                "sparse_global_blocks", "sparse_random_blocks", "sparse_seed")
@@ -141,10 +146,10 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 8
-    global_batch_size: int = 16
+    global_batch_size: Optional[int] = None  # None: micro_batch_size * dp (Megatron-LM)
     train_iters: int = 200
     lr: float = 2e-3
-    min_lr: float = 2e-4
+    min_lr: float = 0.0
     lr_decay_style: str = "cosine"
     lr_warmup_iters: Optional[int] = None  # None: --lr-warmup-fraction of the decay iters
     lr_warmup_fraction: Optional[float] = None  # None (and no iters): 0.1
@@ -174,7 +179,10 @@ class TrainConfig:
     async_save: bool = False  # write checkpoints in a background thread
     no_load_optim: bool = False
     no_load_rng: bool = False
-    generate: int = 200  # tokens sampled from the trained model at the end; 0: off
+    check_for_nan_in_loss_and_grad: bool = True  # skip a step whose loss or grad norm is not finite
+    max_consecutive_skipped: int = 10  # stop after this many skipped steps in a row; 0: never
+    deterministic: bool = False  # CUDA: deterministic kernels (CPU is deterministic anyway)
+    generate: int = 0  # tokens sampled from the trained model at the end; 0: off
     generate_prompt: str = ""
     generate_temperature: float = 0.8
     generate_top_k: int = 40
@@ -201,6 +209,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     zero_stage: int = 0  # ZeRO over dp x sp: 1 optimizer states, 2 + grads, 3 + params
     grad_reduce_dtype: str = "fp32"  # dtype gradients are summed in over dp x sp
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails the job
 
 
 @dataclass
@@ -329,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=pos("--micro-batch-size"), default=t.micro_batch_size)
     g.add_argument("--global-batch-size", type=pos("--global-batch-size"),
-                   default=t.global_batch_size)
+                   default=t.global_batch_size,
+                   help="samples per iteration over all data-parallel ranks (default: "
+                        "--micro-batch-size x dp, x pp under a pipeline: no accumulation)")
     g.add_argument("--train-iters", type=pos("--train-iters"), default=t.train_iters)
     g.add_argument("--lr", type=float, default=t.lr)
     g.add_argument("--min-lr", type=float, default=t.min_lr)
@@ -374,7 +385,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true",
                    help="do not restore the RNG states saved in --load")
     g.add_argument("--generate", type=int, default=t.generate,
-                   help="sample this many tokens from the trained model at the end (0: off)")
+                   help="sample this many tokens from the trained model at the end (0: off; "
+                        "the bundled default run samples 200)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=t.check_for_nan_in_loss_and_grad,
+                   help="a non-finite loss or gradient norm on any rank skips the step on "
+                        "every rank (counted as skipped); off: the step is taken anyway")
+    g.add_argument("--max-consecutive-skipped", type=int, default=t.max_consecutive_skipped,
+                   help="stop with an error after this many skipped steps in a row, leaving "
+                        "the last checkpoint as it was (0: never; with --fp16 dynamic loss "
+                        "scaling, skips while the scale can still fall do not count)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="CUDA: deterministic kernels only (docs/determinism.md says what "
+                        "it switches on and costs); CPU runs are bit-identical without it")
     g.add_argument("--generate-prompt", default=t.generate_prompt)
     g.add_argument("--generate-temperature", type=float, default=t.generate_temperature)
     g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
@@ -411,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
                    help="dtype in which gradients are summed over the data x sequence-"
                         "parallel ranks")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that waits longer than this (a rank died or hangs) "
+                        "fails, and every rank exits non-zero naming the rank(s) it lost")
 
     g = p.add_argument_group("activation memory (recomputation, tiling) and the memory plan")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
@@ -495,6 +521,9 @@ def validate(cfg: Config):
     _validate_train(cfg.train, cfg.model)
     _validate_data(cfg.data)
     _validate_pipeline(cfg.parallel)
+    timeout = cfg.parallel.distributed_timeout_minutes
+    _require(math.isfinite(timeout) and timeout > 0, "--distributed-timeout-minutes",
+             f"must be > 0, got {timeout}")
     layout = pipeline_layout(cfg.model.num_layers, cfg.parallel)  # raises if it does not fit
     _validate_memory(cfg.memory, layout)
 
@@ -542,9 +571,9 @@ def _validate_attention_mask(m: ModelConfig):
 
 
 def _validate_train(t: TrainConfig, m: ModelConfig):
-    _require(t.global_batch_size % t.micro_batch_size == 0, "--global-batch-size",
-             f"must be divisible by --micro-batch-size "
-             f"({t.global_batch_size} % {t.micro_batch_size} != 0)")
+    gbs = t.global_batch_size
+    _require(gbs is None or gbs % t.micro_batch_size == 0, "--global-batch-size",
+             f"must be divisible by --micro-batch-size ({gbs} % {t.micro_batch_size} != 0)")
     _require(not (t.bf16 and t.fp16), "--bf16", "cannot be combined with --fp16")
     _require(t.lr >= 0, "--lr", f"must be >= 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, "--min-lr", f"must be in [0, --lr], got {t.min_lr}")
@@ -563,6 +592,8 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     _require(t.clip_grad >= 0, "--clip-grad", f"must be >= 0, got {t.clip_grad}")
     _require(t.eval_iters >= 0, "--eval-iters", f"must be >= 0, got {t.eval_iters}")
     _require(t.generate >= 0, "--generate", f"must be >= 0, got {t.generate}")
+    _require(t.max_consecutive_skipped >= 0, "--max-consecutive-skipped",
+             f"must be >= 0, got {t.max_consecutive_skipped}")
     _require(t.generate_temperature > 0, "--generate-temperature", "must be > 0")
     _require(t.loss_scale is None or t.loss_scale > 0, "--loss-scale", "must be > 0")
     _require(t.initial_loss_scale >= t.min_loss_scale > 0, "--initial-loss-scale",

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +39,31 @@ def read_jsonl(path) -> list[dict]:
 
 def train_losses(records) -> dict:
     return {r["iteration"]: r["loss"] for r in records if "loss" in r}
+
+
+def launch(args, world: int, log_prefix: str, extra_env: dict = None) -> list[subprocess.Popen]:
+    """pretrain_gpt.py as `world` processes, each told its rank in the environment (as srun
+    starts them, no torchrun); each one's output in {log_prefix}.rank{R}.log."""
+    from dist import free_port
+    port, procs = free_port(), []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   OMP_NUM_THREADS="1")
+        env.update(extra_env or {})
+        env.pop("SLURM_JOB_ID", None)
+        log = open(f"{log_prefix}.rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"),
+                                       *args], cwd=REPO, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_all(procs, timeout=300) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

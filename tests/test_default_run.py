@@ -18,7 +18,7 @@ def example_flags() -> list[str]:
 
 def test_example_script_spells_out_the_no_flag_default():
     import pretrain_gpt
-    ours = parse_args(pretrain_gpt.DEFAULT_RUN_OUTPUTS)
+    ours = parse_args(pretrain_gpt.DEFAULT_RUN)
     theirs = parse_args(example_flags())
     for part in ("model", "data", "train", "log"):
         a, b = dataclasses.asdict(getattr(ours, part)), dataclasses.asdict(getattr(theirs, part))

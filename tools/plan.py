@@ -112,6 +112,8 @@ def plan(argv: list):
         gpu = calibrated(gpu, args.calibration)
     base = parse_args(_run_flags(rest))
     base.model.vocab_size = load_tokenizer(base).vocab_size
+    if base.train.global_batch_size is None:  # grids are compared at one batch: one per GPU
+        base.train.global_batch_size = args.gpus
     fixed = _fixed(rest, base)
     result = search(base, args.gpus, gpu, fixed, args.reserve_gib)
     _check_found(result, args, gpu, fixed)

@@ -7,9 +7,11 @@ import logging
 import os
 
 from megaulysses.config import Config, ConfigError
-from megaulysses.data.gpt_dataset import (MockGPTDataset, build_train_valid_test_datasets,
-                                          parse_data_path, parse_split)
-from megaulysses.data.indexed import IndexedDataset, IndexedDatasetError, dataset_exists
+from megaulysses.data.gpt_dataset import (MockGPTDataset, atomic_write,
+                                          build_train_valid_test_datasets, parse_data_path,
+                                          parse_split)
+from megaulysses.data.indexed import (HEADER_SIZE, IndexedDataset, IndexedDatasetError,
+                                      dataset_exists)
 from megaulysses.data.tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,11 +64,13 @@ def build_datasets(cfg: Config, vocab_size: int):
     cache = cfg.data.data_cache_path or prefixes[0] + "_cache"
     try:
         for prefix in prefixes:
-            _check_vocab(prefix, vocab_size, cache)
+            _check_tokens(prefix, vocab_size, cache)
         return build_train_valid_test_datasets(prefixes, weights, cfg.data.split, counts,
                                                seq, seed, cache)
     except IndexedDatasetError as e:
         raise ConfigError("--data-path", str(e))
+    except OSError as e:  # e.g. no read permission: one line naming the file
+        raise ConfigError("--data-path", f"{e.filename}: cannot read ({e.strerror or e})")
     except ValueError as e:
         msg = str(e)
         flag = msg.split(":")[0] if msg.startswith("--") else "--data-path"
@@ -81,33 +85,75 @@ def _prefix_of(path: str) -> str:
     return path
 
 
-def _check_vocab(prefix: str, vocab_size: int, cache_dir: str):
-    """Every token id in the data must be < the tokenizer's vocabulary size."""
-    top = _max_token(prefix, cache_dir)
-    if top >= vocab_size:
+def _check_tokens(prefix: str, vocab_size: int, cache_dir: str) -> None:
+    """Every token id in the data must be in [0, the tokenizer's vocabulary size)."""
+    low, high = _token_range(prefix, cache_dir)
+    if low < 0:
+        # Garbage bytes in the .bin, or a dtype code turned from unsigned to signed.
+        raise ConfigError("--data-path", f"{prefix}.bin holds token id {low}: token ids must "
+                          f"be >= 0 (damaged .bin, or a wrong dtype code in {prefix}.idx)")
+    if high >= vocab_size:
         raise ConfigError("--tokenizer-model/--vocab-size",
-                          f"{prefix}.bin holds token id {top} but the vocabulary has "
+                          f"{prefix}.bin holds token id {high} but the vocabulary has "
                           f"{vocab_size} entries: use the tokenizer the data was made with")
 
 
-def _max_token(prefix: str, cache_dir: str) -> int:
-    """Scanning a large .bin takes a while, so the result is cached by file identity."""
-    st = os.stat(prefix + ".bin")
-    key = f"{os.path.abspath(prefix)}|{st.st_size}|{st.st_mtime_ns}"
-    path = os.path.join(cache_dir, "max_token.json")
-    cached = {}
+# Cached (smallest, largest) token id of each data prefix, in the --data-cache-path.
+TOKEN_RANGES = "token_ranges.json"
+
+
+def _token_range(prefix: str, cache_dir: str) -> tuple[int, int]:
+    """Scanning a large .bin takes a while, so the result is cached together with the
+    identity of the files it was read from; changed files are scanned again."""
+    path = os.path.join(cache_dir, TOKEN_RANGES)
+    key, identity = os.path.abspath(prefix), _identity(prefix)
+    ranges = _read_token_ranges(path)
+    entry = ranges.get(key)
+    if _valid_entry(entry) and entry["identity"] == identity:
+        return tuple(entry["range"])
+    if entry is not None:
+        why = "was read from other data" if _valid_entry(entry) else "is malformed"
+        log.warning("%s: the entry for %s %s; rescanning %s.bin", path, key, why, prefix)
+    ranges[key] = {"identity": identity, "range": list(IndexedDataset(prefix).token_range())}
     try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        pass
-    if key not in cached:
-        cached[key] = int(IndexedDataset(prefix).max_token())
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(cached, f)
-            os.replace(path + ".tmp", path)
-        except OSError:
-            log.warning("cannot write %s (read-only data dir?); rescanning next time", path)
-    return cached[key]
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write(path, lambda f: f.write(json.dumps(ranges).encode()))
+    except OSError:
+        log.warning("cannot write %s (read-only data dir?); rescanning next time", path)
+    return tuple(ranges[key]["range"])
+
+
+def _identity(prefix: str) -> str:
+    """Changes whenever either file is rewritten or replaced (the inode and ctime change
+    even when a copy keeps the old mtime, as cp -p does), and with the .idx header: its
+    dtype code sets how the .bin reads, and a change to it alters no size."""
+    parts = []
+    for path in (prefix + ".idx", prefix + ".bin"):
+        st = os.stat(path)
+        parts.append(f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}")
+    with open(prefix + ".idx", "rb") as f:
+        parts.append(f.read(HEADER_SIZE).hex())
+    return "|".join(parts)
+
+
+def _read_token_ranges(path: str) -> dict:
+    """The cache's entries; {} when there is none, or (after a warning) when it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            ranges = json.loads(f.read())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s: unreadable (%s); rebuilding it", path, e)
+        return {}
+    if not isinstance(ranges, dict):
+        log.warning("%s: not a token range cache (a JSON %s); rebuilding it", path,
+                    type(ranges).__name__)
+        return {}
+    return ranges
+
+
+def _valid_entry(entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("identity"), str)
+            and isinstance(entry.get("range"), list) and len(entry["range"]) == 2
+            and all(type(v) is int for v in entry["range"]))

@@ -5,17 +5,23 @@ then read as one token stream.  Sample i is tokens
 [i * seq_length, i * seq_length + seq_length + 1) of that stream (inputs and
 shifted labels share the middle tokens), and samples are served in a
 shuffled order.  The three index arrays behind this are built with numpy and
-cached as .npy files, keyed by a hash of everything they depend on.
+cached as .npy files, keyed by a hash of everything they depend on; a cache file
+that is damaged or was made for other settings is rebuilt, with a warning.
 """
 
 import hashlib
 import logging
 import math
 import os
+import struct
+import uuid
+from typing import BinaryIO, Callable
 
 import numpy as np
 
 from megaulysses.data.indexed import IndexedDataset
+
+log = logging.getLogger(__name__)
 
 # Bump when the index construction changes so stale caches are not reused.
 _INDEX_FORMAT = "megaulysses-gpt-index-v1"
@@ -57,36 +63,102 @@ def split_boundaries(num_documents: int, weights: list[float]) -> list[int]:
 
 # ---------------------------------------------------------------- caching
 
+# Each cache file is an .npy followed by a trailer: this magic, the sha256 of the
+# description the arrays were built for, and the sha256 of the .npy bytes before it.
+# np.load ignores the trailer; it lets a load tell a file made for other settings or
+# data, or damaged on disk (truncated, garbage bytes), from a good one.
+_TRAILER_MAGIC = b"MUIDXSUM"
+_TRAILER = struct.Struct("<8s32s32s")
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """write(f) to a private temporary file, then rename it to path: readers (other ranks,
+    later runs) see no file or the whole file, never a half-written one."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # unique across ranks and hosts
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _sha256(path: str, n_bytes: int) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while n_bytes > 0 and (block := f.read(min(n_bytes, 1 << 24))):
+            digest.update(block)
+            n_bytes -= len(block)
+    return digest.digest()
+
+
+def _write_cache_file(path: str, array: np.ndarray, made_for: bytes) -> None:
+    def write(f):
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        f.write(_TRAILER.pack(_TRAILER_MAGIC, made_for, _sha256(f.name, f.tell())))
+    atomic_write(path, write)
+
+
+def _cache_file_problem(path: str, made_for: bytes) -> str | None:
+    """Why the cache file cannot be used, or None when it is intact and made for us."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(size - _TRAILER.size, 0))
+        trailer = f.read()
+    if len(trailer) != _TRAILER.size or not trailer.startswith(_TRAILER_MAGIC):
+        return "no checksum trailer (truncated, or written by an older version)"
+    _, saved_for, checksum = _TRAILER.unpack(trailer)
+    if saved_for != made_for:
+        return "made for other settings or data"
+    if _sha256(path, size - _TRAILER.size) != checksum:
+        return "checksum mismatch (damaged on disk)"
+    return None
+
+
+def _load_cached(paths: dict, made_for: bytes) -> dict | None:
+    """The cached arrays, or None (after a warning naming the file) when any is unusable."""
+    if not any(os.path.exists(p) for p in paths.values()):
+        return None  # never built: nothing to warn about
+    arrays = {}
+    for kind, path in paths.items():
+        try:
+            problem = (_cache_file_problem(path, made_for) if os.path.exists(path) else
+                       "missing (a run stopped while writing the cache?)")
+            if problem is None:
+                arrays[kind] = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            problem = f"unreadable ({e})"
+        if problem is not None:
+            log.warning("dataset cache %s: %s; rebuilding it", path, problem)
+            return None
+    return arrays
+
 
 def _load_or_build(cache_dir, name: str, description: str, kinds: list[str], build):
-    """Arrays from the cache when all are there, else build() them (and cache them).
+    """Arrays from the cache when all are there and intact, else build() them (and cache them).
 
-    Files are named <name>_<hash of description>_<kind>.npy.  Returns
-    (arrays, loaded_from_cache).  Each file is written under a private
-    temporary name and renamed, so ranks building at once never read a partial file.
+    Files are named <name>_<hash of description>_<kind>.npy and checked against their
+    trailer before use.  Returns (arrays, loaded_from_cache).  Each file is written under
+    a private temporary name and renamed, so ranks building at once never read a partial
+    file, and a crash never leaves one that a later run trusts.
     """
     if cache_dir is None:
         return build(), False
-    digest = hashlib.sha256(description.encode()).hexdigest()[:16]
-    paths = {k: os.path.join(cache_dir, f"{name}_{digest}_{k}.npy") for k in kinds}
-    if all(os.path.isfile(p) for p in paths.values()):
-        return {k: np.load(p, mmap_mode="r") for k, p in paths.items()}, True
+    made_for = hashlib.sha256(description.encode()).digest()
+    paths = {k: os.path.join(cache_dir, f"{name}_{made_for.hex()[:16]}_{k}.npy") for k in kinds}
+    arrays = _load_cached(paths, made_for)
+    if arrays is not None:
+        return arrays, True
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for kind, path in paths.items():
-            _save_npy(path, arrays[kind])
+            _write_cache_file(path, arrays[kind], made_for)
     except OSError as e:  # e.g. a read-only data directory: train anyway
-        logging.getLogger(__name__).warning("cannot cache dataset indices in %s: %s",
-                                            cache_dir, e)
+        log.warning("cannot cache dataset indices in %s: %s", cache_dir, e)
     return arrays, False
-
-
-def _save_npy(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- GPT dataset
@@ -273,32 +345,51 @@ class MockGPTDataset:
 # ---------------------------------------------------------------- --data-path
 
 
-def _as_number(text: str):
+def _as_number(text: str) -> float | None:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         return None
-    return value
+
+
+_PAIRS = "weight-prefix pairs like '0.3 A 0.7 B'"
+
+
+def _weight(text: str, prefix: str) -> float:
+    """A blend weight: a positive, finite number (Megatron normalises them to sum to 1)."""
+    value = _as_number(text)
+    if value is None:
+        problem = "is not a number"
+    elif not math.isfinite(value):
+        problem = "is not a finite number"
+    elif value < 0:
+        problem = "is negative"
+    elif value == 0:
+        problem = "is zero"
+    else:
+        return value
+    raise ValueError(f"--data-path: weight {text!r} for {prefix} {problem}; blend weights "
+                     f"must be positive numbers, as in {_PAIRS}")
 
 
 def parse_data_path(args: list[str]) -> tuple[list[str], list[float]]:
     """Megatron's --data-path forms: "A", "A B C" (equal weights), "0.3 A 0.7 B"."""
-    rule = ("--data-path: give one prefix, several prefixes (equal weights), or "
-            "weight-prefix pairs like '0.3 A 0.7 B' with positive weights")
     args = list(args)
     if not args:
-        raise ValueError(f"{rule}; got nothing")
-    if len(args) == 1:
-        return args, [1.0]
-    numbers = [_as_number(a) for a in args]
-    if numbers[0] is None:
-        if any(n is not None for n in numbers):
-            raise ValueError(f"{rule}; got a mix of prefixes and numbers: {' '.join(args)}")
+        raise ValueError("--data-path: give one prefix, several prefixes (equal weights), "
+                         f"or {_PAIRS}; got nothing")
+    # A number where a weight goes means weight-prefix pairs; then every weight must be
+    # one, so a typo like "abc A 1 B" or "nan A 1 B" is named rather than read as a prefix.
+    if len(args) == 1 or all(_as_number(a) is None for a in args[0::2]):
+        if len(args) > 1 and any(_as_number(a) is not None for a in args):
+            raise ValueError(f"--data-path: got a mix of prefixes and numbers: "
+                             f"{' '.join(args)} (give prefixes only, or {_PAIRS})")
         return args, [1.0] * len(args)
-    weights = numbers[0::2]
-    if len(args) % 2 or any(w is None or not math.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"{rule}; got: {' '.join(args)}")
-    return args[1::2], weights
+    if len(args) % 2:
+        raise ValueError(f"--data-path: {len(args)} values ({' '.join(args)}), but "
+                         f"{_PAIRS} need an even number")
+    prefixes = args[1::2]
+    return prefixes, [_weight(w, p) for w, p in zip(args[0::2], prefixes)]
 
 
 # ---------------------------------------------------------------- train/valid/test

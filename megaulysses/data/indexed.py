@@ -28,6 +28,7 @@ _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 # magic, version, dtype code, sequence count, document count
 _HEADER = struct.Struct("<9sQBQQ")
+HEADER_SIZE = _HEADER.size  # 34 bytes
 
 # Megatron's codes; the numbers are part of the file format.
 DTYPE_CODES = {
@@ -199,9 +200,13 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise IndexedDatasetError(f"{path}: file not found")
-        self._read_index()
-        self._check_pointers()
-        self._open_bin()
+        try:
+            self._read_index()
+            self._check_pointers()
+            self._open_bin()
+        except OSError as e:  # e.g. no read permission: one line naming the file, no traceback
+            raise IndexedDatasetError(f"{e.filename or prefix}: cannot read "
+                                      f"({e.strerror or e})") from None
 
     def _fail(self, path: str, what: str):
         raise IndexedDatasetError(f"{path}: {what}")
@@ -283,9 +288,18 @@ class IndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
-    def max_token(self) -> int:
-        """Largest token id in the .bin, read in chunks so memory stays bounded."""
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id in the .bin, read in chunks so memory stays bounded."""
+        # Megatron's format allows float dtypes, but token ids are integers: a float code
+        # in a token dataset means a damaged .idx (int32 <-> float32 keep the .bin's size).
+        if self.dtype.kind not in "iu":
+            self._fail(self.idx_path, f"dtype {self.dtype} cannot hold token ids (a token "
+                                      f"dataset needs an integer dtype; damaged dtype code?)")
         if self._tokens.size == 0:
             raise ValueError(f"{self.bin_path}: no tokens")
-        return int(max(self._tokens[i:i + _SCAN_CHUNK].max()
-                       for i in range(0, self._tokens.size, _SCAN_CHUNK)))
+        chunks = [self._tokens[i:i + _SCAN_CHUNK] for i in range(0, self._tokens.size, _SCAN_CHUNK)]
+        return int(min(c.min() for c in chunks)), int(max(c.max() for c in chunks))
+
+    def max_token(self) -> int:
+        """Largest token id in the .bin."""
+        return self.token_range()[1]

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -194,11 +197,11 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def new_checkpoint_group(self):
+    def new_checkpoint_group(self, timeout: Optional[timedelta] = None):
         """A gloo group of all ranks for background checkpoint writes (DCP coordinates
         over it from its own thread, apart from the training collectives). Every rank
         must call it, at the same point; None alone."""
-        return dist.new_group(backend="gloo") if self.meshes else None
+        return dist.new_group(backend="gloo", timeout=timeout) if self.meshes else None
 
     # -- all-to-all with autograd (Ulysses) ---------------------------------------------
 
@@ -543,3 +546,40 @@ def _make_buckets(params: list, bucket_mb: float) -> list[list]:
     if current:
         buckets.append(current)
     return buckets
+
+
+# -- after a failed collective: who is gone ---------------------------------------------
+
+ROLL_CALL_SECONDS = 5.0  # how long survivors wait for each other beyond a timeout
+_ROLL_CALL = "megaulysses/roll_call/"
+
+
+def roll_call(timeout_s: float, timed_out: bool) -> Optional[list[int]]:
+    """After a collective failed on this rank: the ranks that do not answer on the job's
+    key-value store (dead or hung), or None when the store itself is gone (it lives in
+    rank 0's process unless torchrun hosts it).
+
+    The first rank to fail sets one deadline for all. A rank that failed because a peer's
+    connection closed may have survivors still blocked in a collective (gloo frees no
+    peer until its process exits), each failing within the timeout: the call waits
+    `timeout_s` + 5 s. A rank that failed by timing out waited the timeout already, and
+    the others blocked in the same step time out with it: 5 s. Rank 0 stays 2 s longer:
+    the others read the store it may host."""
+    store = dist.distributed_c10d._get_default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store.set(f"{_ROLL_CALL}{me}", "1")
+        if store.add(f"{_ROLL_CALL}first", 1) == 1:
+            window = ROLL_CALL_SECONDS + (0.0 if timed_out else timeout_s)
+            store.set(f"{_ROLL_CALL}deadline", repr(time.time() + window))
+        deadline = float(store.get(f"{_ROLL_CALL}deadline"))
+        answered = []
+        while len(answered) < world and time.time() < deadline:
+            time.sleep(0.1)
+            answered = [r for r in range(world) if store.check([f"{_ROLL_CALL}{r}"])]
+        return [r for r in range(world) if r not in answered]
+    except (RuntimeError, OSError, ValueError):  # the store's host is gone
+        return None
+    finally:
+        if me == 0:
+            time.sleep(2.0)

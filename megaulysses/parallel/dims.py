@@ -12,6 +12,8 @@ data-parallel ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,9 @@ class ParallelDims:
     def validate_config(self, cfg: Config):
         """`validate` with the run's flags (the vocabulary size must be known by now)."""
         par, t = cfg.parallel, cfg.train
+        if t.global_batch_size is None:  # one micro-batch per dp rank (Megatron-LM), and
+            # pp of them under a pipeline: every stage then has one in flight
+            t.global_batch_size = t.micro_batch_size * self.dp * self.pp
         self.validate(cfg.model, t.global_batch_size, t.micro_batch_size,
                       par.sequence_parallel and self.tp > 1, par.pipeline_schedule,
                       cfg.memory.tiled_mlp_chunks)
@@ -138,19 +143,34 @@ class ParallelDims:
             raise ConfigError("--global-batch-size", f"{why}; {schedule} needs a multiple "
                               f"of pp = {self.pp}")
 
-    def build_mesh(self, device_type: str) -> dict[str, DeviceMesh]:
+    def build_mesh(self, device_type: str,
+                   timeout: Optional[timedelta] = None) -> dict[str, DeviceMesh]:
         """{"world": the 5-D mesh, PP/DP/CP/SP/TP: its 1-D slices, DP_SP: dp x cp x sp
-        flattened}."""
+        flattened}. `timeout`: of every group's collectives (the mesh's own groups do not
+        inherit init_process_group's timeout: without it a hung peer blocks for 30 min)."""
+        override = None if timeout is None else {
+            name: _group_options(device_type, timeout) for name in MESH_DIMS}
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.sp, self.tp),
-                                mesh_dim_names=MESH_DIMS)
+                                mesh_dim_names=MESH_DIMS, backend_override=override)
         meshes = {name: mesh[name] for name in MESH_DIMS}
         meshes[DP_SP] = mesh[DP, CP, SP]._flatten(DP_SP)  # kept: slicing it is deprecated
         meshes["world"] = mesh
         return meshes
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone."""
+def _group_options(device_type: str, timeout: timedelta) -> tuple:
+    """(backend, options) of a mesh group whose collectives time out after `timeout`."""
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
+def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> tuple[int, int]:
+    """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone.
+    A collective that waits longer than `timeout_minutes` raises (a rank died or hangs)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     import os
@@ -159,5 +179,5 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()

@@ -9,6 +9,7 @@ so all of them stop after the same step, save the same checkpoint and exit 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -17,6 +18,17 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A directory where each rank that stopped early and saved leaves a file: run_node.sh
+# (SLURM) counts them to tell a clean signal-stop from a failure, as torchrun cannot.
+SAVED_ON_STOP_ENV = "MEGAULYSSES_SAVED_ON_STOP"
+
+
+def mark_saved_on_stop(rank: int, iteration: int) -> None:
+    """This rank stopped early and its checkpoint of `iteration` is committed."""
+    directory = os.environ.get(SAVED_ON_STOP_ENV)
+    if directory:
+        with open(os.path.join(directory, f"rank{rank}"), "w") as f:
+            f.write(f"{iteration}\n")
 
 
 class StopConditions:

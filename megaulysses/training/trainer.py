@@ -16,12 +16,13 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import numpy as np
 import torch
 
-from megaulysses.config import Config, ConfigError, pipeline_layout
+from megaulysses.config import Config, ConfigError, TrainingError, pipeline_layout
 from megaulysses.data.build import build_datasets, load_tokenizer
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.model.attention import mask_from_config, select_backend
@@ -37,10 +38,12 @@ from megaulysses.parallel.ring import local_positions
 from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
+from megaulysses.training import faults
+from megaulysses.training.outputs import check_outputs
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
 from megaulysses.training.optim import LossScaler, LRSchedule, adamw, param_groups, set_lr
-from megaulysses.training.stop import StopConditions
+from megaulysses.training.stop import StopConditions, mark_saved_on_stop
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     tokens: int
+    nonfinite: bool = False  # the loss or gradient norm was not finite on some rank
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -78,7 +82,10 @@ def global_sum(comm: Comm, value: float, device, dims=(DP_SP,)) -> float:
 
 
 def train_step(model, batches, zero: Zero, scaler: LossScaler, clip_grad: float, device,
-               dtype, comm: Comm, pipeline: Optional[Pipeline] = None) -> StepResult:
+               dtype, comm: Comm, pipeline: Optional[Pipeline] = None,
+               check_nan: bool = True, fault=None) -> StepResult:
+    """One iteration. `check_nan`: a non-finite loss or gradient norm on any rank skips
+    the step on every rank. `fault`: a test's injection, run on the gradients mid-step."""
     with tp_step_context(comm):
         # The global loss-token count is known before any forward: every backward divides
         # by it, so the summed gradients are exactly those of the global mean loss.
@@ -90,9 +97,10 @@ def train_step(model, batches, zero: Zero, scaler: LossScaler, clip_grad: float,
         else:
             with autocast(device, dtype):
                 loss_sum = pipeline.step([_on(b, device) for b in batches], scaler.scale / denom)
-        norm, skipped = _finish_grads_and_step(zero, scaler, clip_grad, comm, pipeline)
+        norm, skipped, nonfinite = _finish_grads_and_step(
+            zero, scaler, clip_grad, comm, pipeline, math.isfinite(loss_sum), check_nan, fault)
     loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / denom
-    return StepResult(loss, norm, skipped, int(tokens))
+    return StepResult(loss, norm, skipped, int(tokens), nonfinite)
 
 
 def _forward_backward(model, batches, grad_scale: float, device, dtype, zero: Zero) -> float:
@@ -110,19 +118,28 @@ def _forward_backward(model, batches, grad_scale: float, device, dtype, zero: Ze
     return float(loss_sum)
 
 
-def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline):
-    """Reduce gradients over dp x sp (and the tied pair), clip by the global norm, step."""
+def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_finite: bool,
+                           check_nan: bool, fault=None) -> tuple[float, bool, bool]:
+    """Reduce gradients over dp x sp (and the tied pair), clip by the global norm and
+    step, unless a loss or the norm is not finite on any rank: (norm, skipped, non-finite).
+    Every rank decides alike (one tiny all-reduce): a NaN that only one rank sees must not
+    step the others alone."""
     zero.finish_grads()
+    if fault is not None:
+        fault([p.tensor for p in zero.grad_parts()])
     if pipeline is not None:
         pipeline.sync_tied_grads(zero.grad_of)  # after the reduction: both copies alike
     excluded = pipeline.norm_excluded if pipeline is not None else []
     norm = unscale_and_clip(zero.grad_parts(excluded), 1.0 / scaler.scale, clip_grad, comm)
-    skipped = not math.isfinite(norm)
+    nonfinite = comm.any_rank(not (loss_finite and math.isfinite(norm)))
+    # fp16 skips an overflow whatever --check-for-nan-in-loss-and-grad says: its loss
+    # scale must fall
+    skipped = nonfinite and (check_nan or isinstance(scaler, LossScaler))
     if not skipped:
         zero.step()
-    scaler.update(overflow=skipped)
+    scaler.update(overflow=nonfinite)
     zero.zero_grad()
-    return norm, skipped
+    return norm, skipped, nonfinite
 
 
 @torch.no_grad()
@@ -165,13 +182,17 @@ class Trainer:
         seed_everything(t.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = compute_dtype(cfg)
-        self.rank, world = init_distributed(self.device)
+        check_outputs(cfg)  # before anything is built: refusing is quick
+        self.fault = faults.from_env()  # tests only
+        timeout = cfg.parallel.distributed_timeout_minutes
+        self.rank, world = init_distributed(self.device, timeout)
         self.dims = ParallelDims.from_config(cfg, world)
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
         self.dims.validate_config(cfg)
         name, core = attention_backend(cfg, self.dims, self.device, self.dtype)
-        self.comm = Comm(self.dims.build_mesh(self.device.type) if world > 1 else None)
+        self.comm = Comm(self.dims.build_mesh(self.device.type, timedelta(minutes=timeout))
+                         if world > 1 else None)
         self._build_data()
         with torch.device("meta"):
             model = GPT(cfg.model, core)
@@ -185,6 +206,7 @@ class Trainer:
         self.schedule = LRSchedule(t)
         self.scaler = LossScaler(t) if t.fp16 else _NoScaler()
         self.state = ckpt.TrainState()
+        self.consecutive_skipped = 0
         self.saver = self._build_saver() if t.save else None
         self._log_model(name)
         if t.load:
@@ -257,7 +279,8 @@ class Trainer:
 
     def _build_saver(self) -> ckpt.Saver:
         t = self.cfg.train
-        group = self.comm.new_checkpoint_group() if t.async_save else None
+        timeout = timedelta(minutes=self.cfg.parallel.distributed_timeout_minutes)
+        group = self.comm.new_checkpoint_group(timeout) if t.async_save else None
         return ckpt.Saver(t.save, self.rank, self.comm.barrier, t.keep_last, t.async_save,
                           group)
 
@@ -321,9 +344,17 @@ class Trainer:
                 self.save()
             if t.save:
                 self.saver.wait()  # a background save is committed before we go on
+                if stopped:
+                    mark_saved_on_stop(self.rank, it)
+        except TrainingError:
+            if t.save:  # every rank stops at the same step: a save in flight completes
+                self.saver.wait()
+            writer.close()
+            raise
         finally:
             stop.close()
-        if t.eval_iters and self.test_data and not stopped:
+        trained = self.state.iteration > resumed  # a finished run resumed: tested already
+        if t.eval_iters and self.test_data and not stopped and trained:
             self._eval(writer, "test", self.test_data, 0)
         writer.close()
         return {"iteration": self.state.iteration, "eval_loss": last_eval, "stopped": stopped}
@@ -343,8 +374,10 @@ class Trainer:
             set_lr(self.optimizer, self.schedule(self.state.iteration))
             t0 = time.perf_counter()
             batches = self.train_data.micro_batches(self.state.consumed_train_samples)
+            fault = self.fault and self.fault.hook(self.rank, self.state.iteration + 1)
             r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad,
-                           self.device, self.dtype, self.comm, self.pipeline)
+                           self.device, self.dtype, self.comm, self.pipeline,
+                           t.check_for_nan_in_loss_and_grad, fault)
             window.add(r, time.perf_counter() - t0, t.global_batch_size * cfg.model.seq_length)
             self.state.iteration += 1
             self.state.consumed_train_samples += t.global_batch_size
@@ -354,6 +387,7 @@ class Trainer:
                 rec = self._log(window, flops, peak, start_iter, t_start)
                 writer.write(rec)
                 window = _Window()
+            self._count_skips(r, it)  # after the log: the stopping iteration is logged
             if t.eval_iters and self.valid_data and (it % t.eval_interval == 0
                                                      or it == t.train_iters):
                 last_eval = self._eval(writer, "valid", self.valid_data,
@@ -369,6 +403,26 @@ class Trainer:
                 log.info("--exit-interval %d: stopping after iteration %d", t.exit_interval, it)
                 break
         return last_eval, None
+
+    def _count_skips(self, r: StepResult, it: int):
+        """Log a step skipped for a non-finite loss or gradient norm; stop the run after
+        --max-consecutive-skipped of them in a row (fp16: only those the loss scale can no
+        longer absorb count)."""
+        t = self.cfg.train
+        if r.nonfinite and self.rank == 0 and not (r.skipped and
+                                                   isinstance(self.scaler, LossScaler)):
+            log.warning("iteration %d: a non-finite loss or gradient norm on some rank: %s",
+                        it, "step skipped on every rank" if r.skipped else
+                        "step taken (--no-check-for-nan-in-loss-and-grad)")
+        counts = r.skipped and not (isinstance(self.scaler, LossScaler) and self.scaler.dynamic
+                                    and self.scaler.scale > self.scaler.min_scale)
+        self.consecutive_skipped = self.consecutive_skipped + 1 if counts else 0
+        limit = t.max_consecutive_skipped
+        if limit and self.consecutive_skipped >= limit:
+            raise TrainingError(
+                f"iteration {it}: {limit} steps in a row skipped for a non-finite loss or "
+                f"gradient norm (--max-consecutive-skipped {limit}); stopped without saving"
+                + (f" (the checkpoints in {t.save} are as they were)" if t.save else ""))
 
     def _eval(self, writer, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,

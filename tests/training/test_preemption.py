@@ -15,34 +15,9 @@ import sys
 import time
 
 from dist import free_port
-from helpers import REPO, TINY, read_jsonl, train_losses
+from helpers import REPO, TINY, launch, read_jsonl, train_losses, wait_all
 
 ITERS = ["--train-iters", "16"]
-
-
-def launch(args, world: int, log_prefix: str) -> list[subprocess.Popen]:
-    """One process per rank, each told its rank in the environment, as srun starts them."""
-    port, procs = free_port(), []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   OMP_NUM_THREADS="1")
-        env.pop("SLURM_JOB_ID", None)
-        log = open(f"{log_prefix}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"),
-                                       *args], cwd=REPO, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
-    return procs
-
-
-def wait_all(procs, timeout=300) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def logged_iteration(path) -> int:
@@ -126,28 +101,45 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert not glob.glob(os.path.join(ck, ".tmp_iter_*"))  # the debris is cleared
 
 
-def test_torchrun_forwards_sigusr1_and_the_workers_save(tmp_path):
+def run_node(args, tmp_path, log_name: str) -> subprocess.Popen:
+    """examples/slurm/run_node.sh as srun starts it on one node of 2 workers, in a process
+    group of its own (SLURM signals the whole step)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NNODES="1", GPUS_PER_NODE="2",
+               HEAD_NODE="127.0.0.1", RDZV_PORT=str(free_port()), SLURM_JOB_ID="4242",
+               PYTHON=sys.executable)
+    out = open(tmp_path / log_name, "w")
+    return subprocess.Popen(["bash", "examples/slurm/run_node.sh", *args], cwd=REPO,
+                            stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def test_slurm_step_after_sigusr1_is_a_success_when_every_worker_saved(tmp_path):
     """As examples/slurm/pretrain_gpt.sbatch runs it: SLURM's SIGUSR1 (--signal=USR1@300)
-    reaches torchrun, which forwards it (--signals-to-handle); the workers save and exit
-    0. torchrun itself then reports the signal and exits non-zero: that is its way."""
+    reaches the step's processes; torchrun forwards it (--signals-to-handle), the workers
+    save and exit 0. torchrun then exits non-zero (its way after a signal); run_node.sh
+    sees every worker's saved-marker and exits 0, so SLURM records a success."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()),
-           "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "pretrain_gpt.py",
-           *TINY, "--train-iters", "1000", "--eval-iters", "0", "--save", str(ck),
-           "--exit-signal-handler", "--metrics-jsonl", str(metrics),
-           "--data-cache-path", str(tmp_path / "cache")]
-    with open(tmp_path / "out.log", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-        deadline = time.monotonic() + 240
-        while logged_iteration(metrics) < 2 and time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGUSR1)
-        wait_all([proc])
+    args = [*TINY, "--train-iters", "1000", "--eval-iters", "0", "--save", str(ck),
+            "--exit-signal-handler", "--metrics-jsonl", str(metrics),
+            "--data-cache-path", str(tmp_path / "cache")]
+    proc = run_node(args, tmp_path, "out.log")
+    deadline = time.monotonic() + 240
+    while logged_iteration(metrics) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    rc = wait_all([proc])[0]
     log = (tmp_path / "out.log").read_text()
+    assert rc == 0, log[-3000:]
     stopped = int((ck / "latest_checkpointed_iteration.txt").read_text())
     assert 2 <= stopped < 1000 and (ck / f"iter_{stopped:07d}" / "COMMITTED").exists()
     assert log.count("SIGUSR1 received") == 2  # both workers
     assert f"saved checkpoint {ck}/iter_{stopped:07d}" in log
+    assert "but all 2 workers" in log and "saved and exited cleanly: success" in log
+
+
+def test_slurm_step_that_fails_is_still_a_failure(tmp_path):
+    """No stop, no markers: a worker's failure (here a bad flag, exit 2) stays a failure."""
+    proc = run_node([*TINY, "--zero-stage", "9"], tmp_path, "out.log")
+    assert wait_all([proc])[0] != 0
+    assert "success" not in (tmp_path / "out.log").read_text()

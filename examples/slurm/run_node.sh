@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One node's part of a SLURM job (pretrain_gpt.sbatch runs it once per node with srun):
+# torchrun with one worker per GPU, then the exit status SLURM should see.
+#
+# On SIGTERM or SIGUSR1 (preemption, the time limit) torchrun forwards the signal; every
+# worker finishes its step, saves and exits 0, and each that saved leaves a marker file.
+# torchrun itself still exits non-zero after a signal, which would mark a cleanly saved
+# job step failed; when every local worker left its marker, this node reports success.
+#
+# Needs NNODES, GPUS_PER_NODE, HEAD_NODE, RDZV_PORT, SLURM_JOB_ID (the sbatch sets them);
+# PYTHON, if set, is the interpreter that runs torchrun (torch.distributed.run).
+set -uo pipefail
+
+markers=$(mktemp -d)
+trap 'rm -rf "$markers"' EXIT
+# The signal reaches torchrun too (SLURM signals the whole step); bash, with a trap, only
+# notes it and waits for torchrun to finish.
+trap 'echo "run_node.sh: signal received, waiting for torchrun"' TERM USR1 INT
+
+MEGAULYSSES_SAVED_ON_STOP="$markers" "${PYTHON:-python}" -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}" \
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \
+    pretrain_gpt.py "$@" &
+torchrun_pid=$!
+while true; do  # a trapped signal interrupts `wait` (status > 128): wait again
+    wait "$torchrun_pid"
+    rc=$?
+    kill -0 "$torchrun_pid" 2>/dev/null || break
+done
+
+saved=$(find "$markers" -type f | wc -l)
+if [ "$rc" -ne 0 ] && [ "$saved" -eq "$GPUS_PER_NODE" ]; then
+    echo "run_node.sh: torchrun exited $rc after a stop request, but all $saved workers on" \
+         "$(hostname) saved and exited cleanly: success"
+    exit 0
+fi
+exit "$rc"

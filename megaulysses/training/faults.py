@@ -1,0 +1,131 @@
+"""Faults: naming a failed or hung rank after a collective fails, and (tests only)
+injecting faults.
+
+A collective fails on the ranks that survive a dead or hung rank: at once where the
+dead rank's connections close, or after --distributed-timeout-minutes. `failure_line`
+turns that into the one line a user sees, naming the ranks that did not answer a roll
+call (comm.roll_call); the caller exits non-zero without a traceback.
+
+Fault injection is for tests: MEGAULYSSES_FAULT="KIND:RANK:ITERATION[:SECONDS]", read
+here alone (ITERATION+ : that iteration and every later one). At ITERATION, on RANK, after the backward and before the gradient norm's
+collectives (mid-step: the other ranks are waiting in a collective):
+    kill    the process SIGKILLs itself (kill -9)
+    hang    it sleeps SECONDS (longer than the timeout: a frozen rank)
+    nan     one of its gradients becomes NaN (after the reduction: only this rank sees it)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megaulysses.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENV = "MEGAULYSSES_FAULT"
+KINDS = ("kill", "hang", "nan")
+
+# Words in the errors gloo and NCCL raise when a peer is gone or a collective timed out.
+_DISTRIBUTED_SIGNS = ("connection closed by peer", "timed out", "connection reset",
+                      "broken pipe", "nccl", "gloo", "socket")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    iteration: int
+    seconds: float = 0.0
+    onwards: bool = False  # every iteration from `iteration` on
+
+    def hook(self, rank: int, iteration: int) -> Optional[Callable[[list], None]]:
+        """The injection for this rank's step `iteration` (it gets the gradient tensors),
+        or None where nothing is injected."""
+        hit = iteration >= self.iteration if self.onwards else iteration == self.iteration
+        if rank != self.rank or not hit:
+            return None
+        return self._inject
+
+    def _inject(self, grads: list[torch.Tensor]):
+        log.warning("%s: injecting %s on rank %d", ENV, self.kind, self.rank)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "hang":
+            time.sleep(self.seconds)
+        elif grads:
+            grads[0].view(-1)[0] = float("nan")
+
+
+def from_env() -> Optional[Fault]:
+    """The fault MEGAULYSSES_FAULT asks for, or None; ConfigError when it does not parse."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        fault = Fault(parts[0], int(parts[1]), int(parts[2].rstrip("+")),
+                      float(parts[3]) if len(parts) > 3 else 0.0, parts[2].endswith("+"))
+    except (IndexError, ValueError):
+        fault = None
+    if fault is None or fault.kind not in KINDS or len(parts) > 4:
+        raise ConfigError(ENV, f"{text!r}: want KIND:RANK:ITERATION[+][:SECONDS], KIND one of "
+                          f"{', '.join(KINDS)}")
+    return fault
+
+
+def is_distributed_failure(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed because a peer died or hung."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in _DISTRIBUTED_SIGNS)
+
+
+def failure_line(e: BaseException, timeout_minutes: float) -> str:
+    """One line for a failed collective: what failed here and which ranks are gone.
+    Leaves the process group (the process is about to exit)."""
+    import torch.distributed as dist
+    from megaulysses.parallel.comm import roll_call
+    rank = dist.get_rank()
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = cause.split("] ", 1)[-1].split(". ")[0][:120]  # no source location, no advice
+    with _stderr_silenced():  # the store's client prints C++ traces when its host is gone
+        missing = roll_call(60.0 * timeout_minutes, "timed out" in str(e).lower())
+    if missing is None:
+        who = ("the failed rank could not be named: the job's store (on rank 0, or "
+               "torchrun's) is gone, so rank 0 or the launcher failed, or the others "
+               "have exited")
+    elif missing:
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+               "not answer: dead or hung")
+    else:
+        who = "every rank answered: the failure came from this rank's own collective"
+    return (f"rank {rank}: a collective failed ({cause}); {who} "
+            f"(--distributed-timeout-minutes {timeout_minutes:g}); the job stops, resume "
+            "from the last checkpoint with the same command")
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null for a while: C++ code writes there directly."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

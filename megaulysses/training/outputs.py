@@ -1,0 +1,52 @@
+"""A run never overwrites an earlier run's outputs without saying so.
+
+A run that resumes (its --load holds a checkpoint) continues its files. A run that starts
+from scratch refuses, with one line, a --metrics-jsonl that already holds records or a
+--save directory that already holds another run's checkpoints: the user resumes, deletes
+them, or points the run elsewhere. Every rank checks the same files before any training,
+so every rank refuses alike.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megaulysses.config import CheckpointError, Config, ConfigError
+from megaulysses.training import checkpoint as ckpt
+
+
+def check_outputs(cfg: Config) -> None:
+    """ConfigError when this run would overwrite an earlier run's metrics or checkpoints."""
+    t = cfg.train
+    loaded = ckpt.find_checkpoint(t.load, t.save) if t.load else None
+    resumes_own = loaded is not None and t.save is not None and _same(t.load, t.save)
+    if loaded is None:
+        _check_metrics(cfg.log.metrics_jsonl)
+    if t.save and not resumes_own:
+        _check_save_dir(t.save, t.load)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _check_metrics(path: Optional[str]):
+    if path and os.path.isfile(path) and os.path.getsize(path) > 0:
+        raise ConfigError("--metrics-jsonl", f"{path} already holds an earlier run's records "
+                          "and this run starts from scratch: resume that run (--load its "
+                          "checkpoints), delete the file, or give another path")
+
+
+def _check_save_dir(save: str, load: Optional[str]):
+    if not os.path.isdir(save):
+        return
+    try:
+        theirs = ckpt.find_checkpoint(save, save)
+    except CheckpointError:  # nothing loadable there: nothing a save could overwrite
+        return
+    if theirs is not None:
+        how = f"--load {save} to resume it" if load is None else "another --save directory"
+        raise ConfigError("--save", f"{save} already holds another run's checkpoints "
+                          f"({os.path.basename(theirs)}) that this run would overwrite: "
+                          f"pass {how}, or delete them")
