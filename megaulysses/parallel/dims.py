@@ -148,8 +148,8 @@ class ParallelDims:
         """{"world": the 5-D mesh, PP/DP/CP/SP/TP: its 1-D slices, DP_SP: dp x cp x sp
         flattened}. `timeout`: of every group's collectives (the mesh's own groups do not
         inherit init_process_group's timeout: without it a hung peer blocks for 30 min)."""
-        override = None if timeout is None else {
-            name: _group_options(device_type, timeout) for name in MESH_DIMS}
+        options = _group_options(timeout)
+        override = None if options is None else {name: options for name in MESH_DIMS}
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.sp, self.tp),
                                 mesh_dim_names=MESH_DIMS, backend_override=override)
         meshes = {name: mesh[name] for name in MESH_DIMS}
@@ -158,12 +158,14 @@ class ParallelDims:
         return meshes
 
 
-def _group_options(device_type: str, timeout: timedelta) -> tuple:
-    """(backend, options) of a mesh group whose collectives time out after `timeout`."""
-    if device_type == "cuda":
-        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
-    else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+def _group_options(timeout: Optional[timedelta]) -> Optional[tuple]:
+    """(backend, options) of a mesh group of the world's backend whose collectives time
+    out after `timeout`; None for no timeout, or a backend without options (a fake one)."""
+    backend = dist.get_backend()
+    if timeout is None or backend not in ("gloo", "nccl"):
+        return None
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())
     options._timeout = timeout
     return backend, options
 
