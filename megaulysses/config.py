@@ -14,6 +14,7 @@ Shakespeare corpus in `data/`. A GPT-2 style model is
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -236,13 +237,62 @@ class Config:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are ConfigErrors: one line, exit 2, printed by rank 0 only."""
+    """argparse whose errors are ConfigErrors: one line naming the flag, exit 2, printed by
+    rank 0 only."""
 
     def error(self, message):
         if message.startswith("argument ") and ": " in message:
             flag, rule = message[len("argument "):].split(": ", 1)
             raise ConfigError(flag.split("/")[0], rule)
+        if message.startswith("unrecognized arguments: "):
+            first = message.split(": ", 1)[1].split()[0]
+            raise ConfigError(first, "unrecognized argument" + self._did_you_mean(first))
         raise ConfigError("pretrain_gpt.py", message)
+
+    def _did_you_mean(self, word: str) -> str:
+        if not word.startswith("--"):
+            return " (pretrain_gpt.py takes flags only)"
+        names = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        # Abbreviations are refused (as in Megatron-LM): name the flags it abbreviates.
+        close = [n for n in names if n.startswith(word)] or difflib.get_close_matches(
+            word, names, n=3, cutoff=0.7)
+        return f"; did you mean {' or '.join(close)}?" if close else ""
+
+    def _parse_optional(self, arg_string):
+        # argparse reads "-inf", "-1e-3" as unknown options (its negative-number test knows
+        # only forms like -1 and -.5); as values they reach the flag's own check, which
+        # names the flag.
+        if _is_number(arg_string):
+            return None
+        return super()._parse_optional(arg_string)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, said once: " (default: X)" is appended
+    unless the text already says it in words (e.g. "default: 4*hidden"); switches show
+    on/off, and None shows as "none"."""
+
+    def _get_help_string(self, action):
+        # Python < 3.12 has BooleanOptionalAction add its own "(default: ...)": ours instead.
+        text = (action.help or "").removesuffix(" (default: %(default)s)")
+        if action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.nargs == 0:  # a switch: store_true/false/const, --x/--no-x
+            given = action.default not in (None, False) and (
+                isinstance(action, argparse.BooleanOptionalAction)
+                or action.default == getattr(action, "const", object()))
+            return f"{text} (default: {'on' if given else 'off'})"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return text + " (default: %(default)s)"
 
 
 def positive_int(name):
@@ -258,41 +308,83 @@ def positive_int(name):
     return check
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a finite number. nan and inf pass every `x > 0` check and then poison
+    a run (an inf learning rate or epsilon trains NaNs), so no flag takes them."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def _relative(path: str) -> str:
+    """A bundled file as the help shows it: relative to the checkout."""
+    return os.path.relpath(path, REPO_ROOT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names).",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # allow_abbrev=False as in Megatron-LM: "--hidden 64" is an error, not --hidden-size.
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names). "
+                "Without any flag: the bundled default run (small Llama-style model on the "
+                "Shakespeare corpus in data/).", formatter_class=_HelpFormatter,
+                allow_abbrev=False)
     m, d, t, lg = ModelConfig(), DataConfig(), TrainConfig(), LogConfig()
-    pos = positive_int
+    par, mem = ParallelConfig(), MemoryConfig()
+    pos, num = positive_int, finite_float
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=pos("--num-layers"), default=m.num_layers)
-    g.add_argument("--hidden-size", type=pos("--hidden-size"), default=m.hidden_size)
+    g.add_argument("--num-layers", type=pos("--num-layers"), default=m.num_layers,
+                   help="transformer layers")
+    g.add_argument("--hidden-size", type=pos("--hidden-size"), default=m.hidden_size,
+                   help="model width")
     g.add_argument("--ffn-hidden-size", type=pos("--ffn-hidden-size"), default=None,
-                   help="default: 4*hidden, or 8*hidden/3 rounded up to 64 with --swiglu")
+                   help="MLP width; default: 4*hidden, or 8*hidden/3 rounded up to 64 with "
+                        "--swiglu")
     g.add_argument("--num-attention-heads", type=pos("--num-attention-heads"),
-                   default=m.num_attention_heads)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=pos("--num-query-groups"), default=None)
+                   default=m.num_attention_heads, help="query heads")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=pos("--num-query-groups"), default=None,
+                   help="key/value heads under --group-query-attention; default: 1 with it "
+                        "(multi-query), else one per attention head")
     g.add_argument("--kv-channels", type=pos("--kv-channels"), default=None,
-                   help="head dimension; default hidden/heads")
-    g.add_argument("--seq-length", type=pos("--seq-length"), default=m.seq_length)
+                   help="head dimension; default: hidden / heads")
+    g.add_argument("--seq-length", type=pos("--seq-length"), default=m.seq_length,
+                   help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=pos("--max-position-embeddings"),
-                   default=None, help="default: --seq-length")
+                   default=None, help="longest sequence the positions cover; default: "
+                                      "--seq-length")
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
-                   default=m.position_embedding_type)
-    g.add_argument("--rotary-base", type=float, default=m.rotary_base)
-    g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default=m.normalization)
-    g.add_argument("--norm-epsilon", type=float, default=m.norm_epsilon)
-    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=m.swiglu)
+                   default=m.position_embedding_type,
+                   help="rotary (RoPE) or learned absolute (GPT-2) positions")
+    g.add_argument("--rotary-base", type=num, default=m.rotary_base,
+                   help="RoPE base frequency (theta)")
+    g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default=m.normalization,
+                   help="the norm before attention, before the MLP and at the end")
+    g.add_argument("--norm-epsilon", type=num, default=m.norm_epsilon,
+                   help="epsilon of the norms")
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=m.swiglu,
+                   help="SwiGLU MLP; --no-swiglu: GeLU")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
-                   default=m.add_bias_linear)
-    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=m.hidden_dropout)
-    g.add_argument("--attention-dropout", type=float, default=m.attention_dropout)
-    g.add_argument("--init-method-std", type=float, default=m.init_method_std)
+                   default=m.add_bias_linear,
+                   help="no biases in the linear layers, as by default (Megatron-LM's "
+                        "flag; --add-bias-linear adds them)")
+    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true",
+                   help="biases in the linear layers (GPT-2)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the input embedding's weights")
+    g.add_argument("--hidden-dropout", type=num, default=m.hidden_dropout,
+                   help="dropout after attention and MLP, in [0, 1)")
+    g.add_argument("--attention-dropout", type=num, default=m.attention_dropout,
+                   help="dropout of the attention probabilities, in [0, 1)")
+    g.add_argument("--init-method-std", type=num, default=m.init_method_std,
+                   help="standard deviation of the initial weights")
     g.add_argument("--make-vocab-size-divisible-by", type=pos("--make-vocab-size-divisible-by"),
-                   default=m.make_vocab_size_divisible_by)
+                   default=m.make_vocab_size_divisible_by,
+                   help="pad the vocabulary to a multiple of this")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=m.attention_backend,
                    help="auto: flash_attn (CUDA, 16-bit) where installed and the mask allows, "
                         "flex for other masks on CUDA, SDPA; on CPU the block kernels")
@@ -300,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("attention mask (causal always; these narrow it)")
     g.add_argument("--window-size", type=pos("--window-size"), default=None,
                    help="sliding window: each token attends the last W tokens, itself "
-                        "included (Mistral-style); only blocks inside it are computed")
+                        "included (Mistral-style); only blocks inside it are computed; "
+                        "default: none (full causal)")
     g.add_argument("--attention-sparsity", choices=ATTENTION_SPARSITIES,
                    default=m.attention_sparsity,
                    help="block-sparse layout: fixed (DeepSpeed / Sparse Transformer "
@@ -321,13 +414,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=d.data_path,
-                   help="PREFIX, PREFIX PREFIX..., or W1 PREFIX1 W2 PREFIX2 ...")
-    g.add_argument("--split", default=d.split)
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=d.tokenizer_type)
-    g.add_argument("--tokenizer-model", default=d.tokenizer_model)
-    g.add_argument("--vocab-size", type=pos("--vocab-size"), default=None)
+                   help="PREFIX, PREFIX PREFIX... (equal weights), or W1 PREFIX1 W2 PREFIX2 "
+                        "... of .bin/.idx pairs; default: "
+                        f"{_relative(BUNDLED_DATA)} (the bundled corpus)")
+    g.add_argument("--split", default=d.split,
+                   help="train,valid,test weights over the documents, e.g. 98,2,0")
+    g.add_argument("--mock-data", action="store_true",
+                   help="random tokens instead of --data-path (benchmarks, tests)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where the sample indices are cached; default: <first data "
+                        "prefix>_cache")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=d.tokenizer_type,
+                   help="NullTokenizer: token ids as they are, with --vocab-size")
+    g.add_argument("--tokenizer-model", default=d.tokenizer_model,
+                   help="the SentencePiece model file; default: "
+                        f"{_relative(BUNDLED_TOKENIZER)} (the bundled one)")
+    g.add_argument("--vocab-size", type=pos("--vocab-size"), default=None,
+                   help="NullTokenizer: ids are below this (the end-of-document id is this "
+                        "one); other tokenizers set the vocabulary themselves")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss where the input token is the end-of-document token")
     g.add_argument("--reset-position-ids", action="store_true",
@@ -336,42 +440,64 @@ def build_parser() -> argparse.ArgumentParser:
                    help="packed documents: tokens attend within their own document only")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=pos("--micro-batch-size"), default=t.micro_batch_size)
+    g.add_argument("--micro-batch-size", type=pos("--micro-batch-size"),
+                   default=t.micro_batch_size, help="samples per forward/backward on a rank")
     g.add_argument("--global-batch-size", type=pos("--global-batch-size"),
                    default=t.global_batch_size,
                    help="samples per iteration over all data-parallel ranks (default: "
                         "--micro-batch-size x dp, x pp under a pipeline: no accumulation)")
-    g.add_argument("--train-iters", type=pos("--train-iters"), default=t.train_iters)
-    g.add_argument("--lr", type=float, default=t.lr)
-    g.add_argument("--min-lr", type=float, default=t.min_lr)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=t.lr_decay_style)
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+    g.add_argument("--train-iters", type=pos("--train-iters"), default=t.train_iters,
+                   help="iterations (optimizer steps) to train")
+    g.add_argument("--lr", type=num, default=t.lr, help="peak learning rate")
+    g.add_argument("--min-lr", type=num, default=t.min_lr,
+                   help="learning rate at the end of the decay, in [0, --lr]")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=t.lr_decay_style,
+                   help="from --lr down to --min-lr after the warmup")
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="iterations of linear warmup; default: --lr-warmup-fraction")
+    g.add_argument("--lr-warmup-fraction", type=num, default=None,
                    help="warmup as a fraction of the decay iterations; default 0.1 when "
                         "--lr-warmup-iters is not given")
-    g.add_argument("--lr-decay-iters", type=pos("--lr-decay-iters"), default=None)
-    g.add_argument("--weight-decay", type=float, default=t.weight_decay)
-    g.add_argument("--adam-beta1", type=float, default=t.adam_beta1)
-    g.add_argument("--adam-beta2", type=float, default=t.adam_beta2)
-    g.add_argument("--adam-eps", type=float, default=t.adam_eps)
-    g.add_argument("--clip-grad", type=float, default=t.clip_grad, help="0 disables clipping")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=t.initial_loss_scale)
-    g.add_argument("--min-loss-scale", type=float, default=t.min_loss_scale)
+    g.add_argument("--lr-decay-iters", type=pos("--lr-decay-iters"), default=None,
+                   help="iterations over which the learning rate decays (warmup "
+                        "included); default: --train-iters")
+    g.add_argument("--weight-decay", type=num, default=t.weight_decay,
+                   help="AdamW weight decay (not on biases and norms)")
+    g.add_argument("--adam-beta1", type=num, default=t.adam_beta1, help="AdamW beta1, in [0, 1)")
+    g.add_argument("--adam-beta2", type=num, default=t.adam_beta2, help="AdamW beta2, in [0, 1)")
+    g.add_argument("--adam-eps", type=num, default=t.adam_eps, help="AdamW epsilon, > 0")
+    g.add_argument("--clip-grad", type=num, default=t.clip_grad,
+                   help="clip the global gradient norm to this; 0 disables clipping")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast (fp32 weights)")
+    g.add_argument("--fp16", action="store_true",
+                   help="float16 autocast (fp32 weights) with loss scaling")
+    g.add_argument("--loss-scale", type=num, default=None,
+                   help="--fp16: a static loss scale; default: none (dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=num, default=t.initial_loss_scale,
+                   help="--fp16 dynamic scaling: the scale to start from")
+    g.add_argument("--min-loss-scale", type=num, default=t.min_loss_scale,
+                   help="--fp16 dynamic scaling: the scale never falls below this")
     g.add_argument("--loss-scale-window", type=pos("--loss-scale-window"),
-                   default=t.loss_scale_window)
-    g.add_argument("--hysteresis", type=pos("--hysteresis"), default=t.hysteresis)
-    g.add_argument("--seed", type=int, default=t.seed)
-    g.add_argument("--eval-interval", type=pos("--eval-interval"), default=t.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=t.eval_iters, help="0 disables evaluation")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=pos("--save-interval"), default=None)
+                   default=t.loss_scale_window,
+                   help="--fp16 dynamic scaling: steps without overflow before the scale "
+                        "doubles")
+    g.add_argument("--hysteresis", type=pos("--hysteresis"), default=t.hysteresis,
+                   help="--fp16 dynamic scaling: overflows tolerated before the scale halves")
+    g.add_argument("--seed", type=int, default=t.seed,
+                   help="seed of the initial weights, data order, dropout and sampling")
+    g.add_argument("--eval-interval", type=pos("--eval-interval"), default=t.eval_interval,
+                   help="evaluate on the valid split every this many iterations")
+    g.add_argument("--eval-iters", type=int, default=t.eval_iters,
+                   help="global batches per evaluation; 0 disables evaluation")
+    g.add_argument("--save", default=None, help="checkpoint directory to save to")
+    g.add_argument("--load", default=None,
+                   help="checkpoint directory (or iter_XXXXXXX directory) to resume from")
+    g.add_argument("--save-interval", type=pos("--save-interval"), default=None,
+                   help="with --save: save every this many iterations; default: at the "
+                        "end only")
     g.add_argument("--exit-interval", type=pos("--exit-interval"), default=None,
                    help="stop after the first iteration divisible by this (saving with --save)")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=num, default=None,
                    help="save (with --save) and stop once the run has lasted this long")
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction,
                    default=None, help="on SIGTERM or SIGUSR1 every rank finishes the current "
@@ -385,8 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true",
                    help="do not restore the RNG states saved in --load")
     g.add_argument("--generate", type=int, default=t.generate,
-                   help="sample this many tokens from the trained model at the end (0: off; "
-                        "the bundled default run samples 200)")
+                   help="sample this many tokens from the trained model at the end; 0: off "
+                        "(the run without flags samples 200)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
                    default=t.check_for_nan_in_loss_and_grad,
                    help="a non-finite loss or gradient norm on any rank skips the step on "
@@ -398,27 +524,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", action="store_true",
                    help="CUDA: deterministic kernels only (docs/determinism.md says what "
                         "it switches on and costs); CPU runs are bit-identical without it")
-    g.add_argument("--generate-prompt", default=t.generate_prompt)
-    g.add_argument("--generate-temperature", type=float, default=t.generate_temperature)
-    g.add_argument("--generate-top-k", type=int, default=t.generate_top_k)
+    g.add_argument("--generate-prompt", default=t.generate_prompt,
+                   help="--generate: the text the sample continues (default: empty, from "
+                        "the end-of-document token)")
+    g.add_argument("--generate-temperature", type=num, default=t.generate_temperature,
+                   help="--generate: softmax temperature, > 0")
+    g.add_argument("--generate-top-k", type=int, default=t.generate_top_k,
+                   help="--generate: sample among the k likeliest tokens; 0: all")
 
     g = p.add_argument_group("parallelism (data-parallel size = world / (tp*pp*sp*cp))")
     g.add_argument("--tensor-model-parallel-size", type=pos("--tensor-model-parallel-size"),
-                   default=1)
+                   default=par.tensor_model_parallel_size,
+                   help="tensor-parallel degree tp (Megatron column/row-parallel layers)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron-style sequence parallelism inside the tensor-parallel group")
     g.add_argument("--ds-sequence-parallel-size", "--ulysses-degree",
                    dest="ds_sequence_parallel_size",
-                   type=pos("--ds-sequence-parallel-size"), default=1,
+                   type=pos("--ds-sequence-parallel-size"), default=par.ds_sequence_parallel_size,
                    help="Ulysses sequence-parallel degree U (all-to-all; heads / tp / U "
                         "heads per rank)")
-    g.add_argument("--context-parallel-size", type=pos("--context-parallel-size"), default=1,
+    g.add_argument("--context-parallel-size", type=pos("--context-parallel-size"),
+                   default=par.context_parallel_size,
                    help="ring attention degree C over groups of U Ulysses ranks (sequence "
                         "degree U * C; zigzag chunks for causal balance)")
     g.add_argument("--pipeline-model-parallel-size", type=pos("--pipeline-model-parallel-size"),
-                   default=1, help="pipeline stages (layers split into consecutive blocks)")
+                   default=par.pipeline_model_parallel_size,
+                   help="pipeline stages (layers split into consecutive blocks)")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
-                   help="default: 1f1b, or interleaved-1f1b with "
+                   help="the order of micro-batch forwards and backwards over the stages; "
+                        "default: 1f1b, or interleaved-1f1b with "
                         "--num-layers-per-virtual-pipeline-stage")
     g.add_argument("--num-layers-per-virtual-pipeline-stage",
                    type=pos("--num-layers-per-virtual-pipeline-stage"), default=None,
@@ -428,13 +562,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers on the first stage (uneven split; the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers on the last stage (uneven split; the rest evenly)")
-    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0,
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=par.zero_stage,
                    help="ZeRO over the data x sequence-parallel ranks: 1 shards optimizer "
                         "states, 2 also gradients, 3 also parameters (see README)")
-    g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
+    g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES,
+                   default=par.grad_reduce_dtype,
                    help="dtype in which gradients are summed over the data x sequence-"
                         "parallel ranks")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+    g.add_argument("--distributed-timeout-minutes", type=num,
+                   default=par.distributed_timeout_minutes,
                    help="a collective that waits longer than this (a rank died or hangs) "
                         "fails, and every rank exits non-zero naming the rank(s) it lost")
 
@@ -442,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="full: recompute whole transformer blocks in backward (only their "
                         "inputs are kept; the forward all-to-alls run again); selective: "
-                        "recompute only the attention core (between the all-to-alls)")
+                        "recompute only the attention core (between the all-to-alls); "
+                        "default: none (no recomputation)")
     g.add_argument("--recompute-activations", dest="recompute_granularity",
                    action="store_const", const="selective",
                    help="= --recompute-granularity selective")
@@ -454,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=pos("--recompute-num-layers"), default=None,
                    help="with --recompute-granularity full: see --recompute-method "
                         "(default 1)")
-    g.add_argument("--tiled-mlp-chunks", type=pos("--tiled-mlp-chunks"), default=1,
+    g.add_argument("--tiled-mlp-chunks", type=pos("--tiled-mlp-chunks"),
+                   default=mem.tiled_mlp_chunks,
                    help="run each MLP over the local sequence in this many chunks, "
                         "recomputed in backward: its [tokens, ffn] intermediates exist for "
                         "one chunk at a time")
@@ -474,10 +612,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "less 4 GiB reserved for the CUDA context, NCCL and fragmentation")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-jsonl", default=None)
-    g.add_argument("--peak-tflops", type=float, default=None,
+    g.add_argument("--log-interval", type=pos("--log-interval"), default=lg.log_interval,
+                   help="log (and write --metrics-jsonl) every this many iterations")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars here")
+    g.add_argument("--metrics-jsonl", default=None,
+                   help="write one JSON record per logged iteration and evaluation here")
+    g.add_argument("--peak-tflops", type=num, default=None,
                    help="peak TFLOP/s per device for MFU; default: known GPU table, or a "
                         "matmul measured at start-up on CPU")
     return p
@@ -520,6 +661,8 @@ def validate(cfg: Config):
     _validate_attention_mask(cfg.model)
     _validate_train(cfg.train, cfg.model)
     _validate_data(cfg.data)
+    _require(cfg.log.peak_tflops is None or cfg.log.peak_tflops > 0, "--peak-tflops",
+             f"must be > 0, got {cfg.log.peak_tflops}")
     _validate_pipeline(cfg.parallel)
     timeout = cfg.parallel.distributed_timeout_minutes
     _require(math.isfinite(timeout) and timeout > 0, "--distributed-timeout-minutes",
@@ -533,14 +676,18 @@ def _validate_model(m: ModelConfig):
         _require(m.hidden_size % m.num_attention_heads == 0, "--hidden-size",
                  f"must be divisible by --num-attention-heads "
                  f"({m.hidden_size} % {m.num_attention_heads} != 0)")
+    # More groups than heads first: the divisibility rule below would blame the heads.
+    _require(m.num_kv_heads <= m.num_attention_heads, "--num-query-groups",
+             f"must be <= --num-attention-heads ({m.num_kv_heads} > {m.num_attention_heads})")
     _require(m.num_attention_heads % m.num_kv_heads == 0, "--num-attention-heads",
              f"must be divisible by --num-query-groups "
              f"({m.num_attention_heads} % {m.num_kv_heads} != 0)")
-    _require(m.num_kv_heads <= m.num_attention_heads, "--num-query-groups",
-             f"must be <= --num-attention-heads ({m.num_kv_heads} > {m.num_attention_heads})")
     if m.position_embedding_type == "rope":
-        _require(m.head_dim % 2 == 0, "--kv-channels",
-                 f"rope needs an even head dimension, got {m.head_dim}")
+        # Name the flag the user gave: the head dimension is --kv-channels or hidden/heads.
+        _require(m.head_dim % 2 == 0, "--kv-channels" if m.kv_channels else "--hidden-size",
+                 f"rope needs an even head dimension, got {m.head_dim}" + (
+                     "" if m.kv_channels else f" = {m.hidden_size} / {m.num_attention_heads} "
+                     "heads (or set --kv-channels)"))
         _require(m.rotary_base > 0, "--rotary-base", f"must be > 0, got {m.rotary_base}")
     _require(m.seq_length <= m.max_positions, "--seq-length",
              f"must be <= --max-position-embeddings ({m.seq_length} > {m.max_positions})")
@@ -589,15 +736,23 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
              f"must be in [0, --lr-decay-iters or --train-iters = {decay}], "
              f"got {t.lr_warmup_iters}")
     _require(t.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {t.weight_decay}")
+    for flag, beta in (("--adam-beta1", t.adam_beta1), ("--adam-beta2", t.adam_beta2)):
+        _require(0 <= beta < 1, flag, f"must be in [0, 1), got {beta}")  # else AdamW raises
+    _require(t.adam_eps > 0, "--adam-eps", f"must be > 0, got {t.adam_eps}")
     _require(t.clip_grad >= 0, "--clip-grad", f"must be >= 0, got {t.clip_grad}")
     _require(t.eval_iters >= 0, "--eval-iters", f"must be >= 0, got {t.eval_iters}")
     _require(t.generate >= 0, "--generate", f"must be >= 0, got {t.generate}")
     _require(t.max_consecutive_skipped >= 0, "--max-consecutive-skipped",
              f"must be >= 0, got {t.max_consecutive_skipped}")
-    _require(t.generate_temperature > 0, "--generate-temperature", "must be > 0")
-    _require(t.loss_scale is None or t.loss_scale > 0, "--loss-scale", "must be > 0")
-    _require(t.initial_loss_scale >= t.min_loss_scale > 0, "--initial-loss-scale",
-             "must be >= --min-loss-scale > 0")
+    _require(t.generate_temperature > 0, "--generate-temperature",
+             f"must be > 0, got {t.generate_temperature}")
+    _require(t.generate_top_k >= 0, "--generate-top-k",
+             f"must be >= 0 (0: all tokens), got {t.generate_top_k}")
+    _require(t.loss_scale is None or t.loss_scale > 0, "--loss-scale",
+             f"must be > 0, got {t.loss_scale}")
+    _require(t.min_loss_scale > 0, "--min-loss-scale", f"must be > 0, got {t.min_loss_scale}")
+    _require(t.initial_loss_scale >= t.min_loss_scale, "--initial-loss-scale",
+             f"must be >= --min-loss-scale ({t.initial_loss_scale} < {t.min_loss_scale})")
     for flag, value in (("--save-interval", t.save_interval), ("--keep-last", t.keep_last),
                         ("--async-save", t.async_save)):
         _require(not value or t.save is not None, flag, "needs --save DIR")
@@ -700,6 +855,19 @@ def _uneven_sizes(num_layers: int, pp: int, first: Optional[int], last: Optional
 
 
 def _validate_data(d: DataConfig):
+    """The flags' own syntax; the files are checked where they are opened (data/build.py).
+    Checked here too so that --dry-run, which opens no data, refuses what training would."""
+    from megaulysses.data.gpt_dataset import parse_data_path, parse_split  # numpy, no torch
+    try:
+        weights = parse_split(d.split)
+    except ValueError as e:
+        raise ConfigError("--split", str(e).removeprefix("--split:").strip())
+    _require(weights[0] > 0, "--split", f"the train split must not be empty, got {d.split}")
+    if not d.mock_data:
+        try:
+            parse_data_path(d.data_path)
+        except ValueError as e:
+            raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip())
     if d.tokenizer_type == "NullTokenizer":
         _require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
     else:  # mock data too: the tokenizer sets the vocabulary

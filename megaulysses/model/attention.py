@@ -276,14 +276,17 @@ def flash_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMas
         raise ValueError("the flash backend has no block-sparse layouts")
     func, varlen = _flash_attn_funcs()
     window = (-1, -1) if mask.window is None else (mask.window - 1, 0)
+    # its backward adds with atomics unless told not to (--deterministic)
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if mask.documents is None:
-        return func(q, k, v, dropout_p=dropout_p, causal=True, window_size=window)
+        return func(q, k, v, dropout_p=dropout_p, causal=True, window_size=window,
+                    deterministic=deterministic)
     b, s = q.shape[:2]
     starts = _document_starts(mask.documents)  # cumulative, int32, over the flattened batch
     longest = int((starts[1:] - starts[:-1]).max())
     flat = [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
     out = varlen(*flat, starts, starts, longest, longest, dropout_p=dropout_p, causal=True,
-                 window_size=window)
+                 window_size=window, deterministic=deterministic)
     return out.view(b, s, *out.shape[1:])
 
 

@@ -190,11 +190,12 @@ class Comm:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank (a stop request one rank
-        saw: a signal, a wall-clock limit). Control traffic: not counted."""
+        saw: a signal, a wall-clock limit, a NaN). Control traffic: not counted."""
         if not self.meshes:
             return flag
         t = torch.tensor([float(flag)], device=self.meshes["world"].device_type)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.stats.paused():  # DTensor's counter would see it inside a step
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def new_checkpoint_group(self, timeout: Optional[timedelta] = None):

@@ -147,27 +147,18 @@ class ParallelDims:
                    timeout: Optional[timedelta] = None) -> dict[str, DeviceMesh]:
         """{"world": the 5-D mesh, PP/DP/CP/SP/TP: its 1-D slices, DP_SP: dp x cp x sp
         flattened}. `timeout`: of every group's collectives (the mesh's own groups do not
-        inherit init_process_group's timeout: without it a hung peer blocks for 30 min)."""
-        options = _group_options(timeout)
-        override = None if options is None else {name: options for name in MESH_DIMS}
+        inherit init_process_group's timeout: without it a hung peer blocks for 30 min;
+        set on the groups the mesh made, not by making others: DTensor's caches compare
+        meshes by their ranks and would go on using the first mesh's groups)."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.sp, self.tp),
-                                mesh_dim_names=MESH_DIMS, backend_override=override)
+                                mesh_dim_names=MESH_DIMS)
         meshes = {name: mesh[name] for name in MESH_DIMS}
         meshes[DP_SP] = mesh[DP, CP, SP]._flatten(DP_SP)  # kept: slicing it is deprecated
+        if timeout is not None and dist.get_backend() in ("gloo", "nccl"):  # not a fake one
+            for one in meshes.values():
+                one.get_group().set_timeout(timeout)
         meshes["world"] = mesh
         return meshes
-
-
-def _group_options(timeout: Optional[timedelta]) -> Optional[tuple]:
-    """(backend, options) of a mesh group of the world's backend whose collectives time
-    out after `timeout`; None for no timeout, or a backend without options (a fake one)."""
-    backend = dist.get_backend()
-    if timeout is None or backend not in ("gloo", "nccl"):
-        return None
-    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
-               else dist.ProcessGroupGloo._Options())
-    options._timeout = timeout
-    return backend, options
 
 
 def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from megaulysses.parallel.ring import local_positions
 from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
+from megaulysses.training import determinism
 from megaulysses.training import faults
 from megaulysses.training.outputs import check_outputs
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
@@ -181,6 +182,8 @@ class Trainer:
         self.started = time.monotonic()  # --exit-duration-in-mins counts from here
         seed_everything(t.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # before the process group and the first matmul: NCCL and cuBLAS read it then
+        log.info("%s", determinism.configure(t.deterministic, self.device))
         self.dtype = compute_dtype(cfg)
         check_outputs(cfg)  # before anything is built: refusing is quick
         self.fault = faults.from_env()  # tests only
