@@ -7,4 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 torchrun --nproc-per-node 8 pretrain_gpt.py \
     --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b \
-    --tensor-model-parallel-size 2 --ds-sequence-parallel-size 2 "$@"
+    --tensor-model-parallel-size 2 --ds-sequence-parallel-size 2 \
+    --global-batch-size 16 --min-lr 2e-4 "$@"  # the default run's schedule

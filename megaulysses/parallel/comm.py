@@ -560,27 +560,35 @@ def roll_call(timeout_s: float, timed_out: bool) -> Optional[list[int]]:
     key-value store (dead or hung), or None when the store itself is gone (it lives in
     rank 0's process unless torchrun hosts it).
 
-    The first rank to fail sets one deadline for all. A rank that failed because a peer's
-    connection closed may have survivors still blocked in a collective (gloo frees no
-    peer until its process exits), each failing within the timeout: the call waits
-    `timeout_s` + 5 s. A rank that failed by timing out waited the timeout already, and
-    the others blocked in the same step time out with it: 5 s. Rank 0 stays 2 s longer:
-    the others read the store it may host."""
+    A rank that failed because a peer's connection closed may have survivors still
+    blocked in a collective (gloo frees no peer until its process exits, or times out),
+    each failing within the timeout: the call lasts `timeout_s` + 5 s from the first
+    failure. Once any rank has failed by timing out, every survivor blocked since that
+    step has timed out too: 5 s from then. Every rank waits alike, so all name the same
+    ranks. O(1) store requests per poll: it scales to large jobs. Rank 0 stays 2 s
+    longer: the others read the store it may host."""
     store = dist.distributed_c10d._get_default_store()
     me, world = dist.get_rank(), dist.get_world_size()
+    key = _ROLL_CALL.__add__
     try:
-        store.set(f"{_ROLL_CALL}{me}", "1")
-        if store.add(f"{_ROLL_CALL}first", 1) == 1:
-            window = ROLL_CALL_SECONDS + (0.0 if timed_out else timeout_s)
-            store.set(f"{_ROLL_CALL}deadline", repr(time.time() + window))
-        deadline = float(store.get(f"{_ROLL_CALL}deadline"))
-        answered = []
-        while len(answered) < world and time.time() < deadline:
-            time.sleep(0.1)
-            answered = [r for r in range(world) if store.check([f"{_ROLL_CALL}{r}"])]
-        return [r for r in range(world) if r not in answered]
+        store.set(key(str(me)), "1")
+        if store.add(key("count"), 1) == 1:  # the first failure sets the longest deadline
+            store.set(key("deadline"), repr(time.time() + timeout_s + ROLL_CALL_SECONDS))
+        if timed_out and store.add(key("timed_out"), 1) == 1:
+            store.set(key("timed_out_deadline"), repr(time.time() + ROLL_CALL_SECONDS))
+        while store.add(key("count"), 0) < world and time.time() < _deadline(store, key):
+            time.sleep(0.5)
+        return [r for r in range(world) if not store.check([key(str(r))])]
     except (RuntimeError, OSError, ValueError):  # the store's host is gone
         return None
     finally:
         if me == 0:
             time.sleep(2.0)
+
+
+def _deadline(store, key) -> float:
+    """The roll call's end: the first failure's, or sooner once a rank timed out."""
+    deadline = float(store.get(key("deadline")))
+    if store.check([key("timed_out_deadline")]):
+        deadline = min(deadline, float(store.get(key("timed_out_deadline"))))
+    return deadline

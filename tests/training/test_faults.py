@@ -75,7 +75,6 @@ def test_a_killed_rank_stops_every_rank_and_the_same_command_resumes(tmp_path):
     procs = launch(args, WORLD, str(tmp_path / "run"), {"MEGAULYSSES_FAULT": "kill:2:5"})
     began, ends = watch(procs, lambda: procs[2].poll() is not None)
     assert ends[2][0] == -9  # killed, as kill -9
-    print("TIMES", began - 0, {r: (rc, round(t - began, 1)) for r, (rc, t) in ends.items()})
     check_survivors(tmp_path, ends, began, lost=2)
     assert committed(tmp_path) == 4 and not os.path.exists(tmp_path / "ck" / "iter_0000005")
     # The same command again (a requeued job): it resumes from iteration 4 to the end.
