@@ -664,6 +664,12 @@ def validate(cfg: Config):
     _require(cfg.log.peak_tflops is None or cfg.log.peak_tflops > 0, "--peak-tflops",
              f"must be > 0, got {cfg.log.peak_tflops}")
     _validate_pipeline(cfg.parallel)
+    backend = cfg.model.attention_backend
+    # Needs no device, so --dry-run refuses it too (the trainer checks the rest: which
+    # backend this device runs, for the mask).
+    _require(cfg.parallel.context_parallel_size == 1 or backend in ("auto", "block"),
+             "--attention-backend", f"{backend}: ring attention (--context-parallel-size > 1) "
+             "runs its own block kernel; use auto or block")
     timeout = cfg.parallel.distributed_timeout_minutes
     _require(math.isfinite(timeout) and timeout > 0, "--distributed-timeout-minutes",
              f"must be > 0, got {timeout}")

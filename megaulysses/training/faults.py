@@ -94,8 +94,8 @@ def is_distributed_failure(e: BaseException) -> bool:
 
 
 def failure_line(e: BaseException, timeout_minutes: float) -> str:
-    """One line for a failed collective: what failed here and which ranks are gone.
-    Leaves the process group (the process is about to exit)."""
+    """One line for a failed collective: what failed here and which ranks are gone
+    (after a roll call that lasts until every survivor has failed too: comm.roll_call)."""
     import torch.distributed as dist
     from megaulysses.parallel.comm import roll_call
     rank = dist.get_rank()
