@@ -867,13 +867,13 @@ def _validate_data(d: DataConfig):
     try:
         weights = parse_split(d.split)
     except ValueError as e:
-        raise ConfigError("--split", str(e).removeprefix("--split:").strip())
+        raise ConfigError("--split", str(e).removeprefix("--split:").strip()) from None
     _require(weights[0] > 0, "--split", f"the train split must not be empty, got {d.split}")
     if not d.mock_data:
         try:
             parse_data_path(d.data_path)
         except ValueError as e:
-            raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip())
+            raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip()) from None
     if d.tokenizer_type == "NullTokenizer":
         _require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
     else:  # mock data too: the tokenizer sets the vocabulary

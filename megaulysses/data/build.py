@@ -24,7 +24,9 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
     try:
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
     except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError("--tokenizer-model", f"cannot load {d.tokenizer_model}: {e}")
+        flag = "--vocab-size" if d.tokenizer_type == "NullTokenizer" else "--tokenizer-model"
+        reason = str(e).removeprefix(f"{flag}:").strip()
+        raise ConfigError(flag, f"cannot load {d.tokenizer_model}: {reason}")
 
 
 def sample_counts(cfg: Config) -> tuple[int, int, int]:

@@ -51,9 +51,9 @@ class ParallelDims:
         """dp is derived: world / (tp * pp * sp * cp), as in Megatron."""
         model_parallel = tp * pp * sp * cp
         if world % model_parallel:
-            flag = "--context-parallel-size" if cp > 1 else (
-                "--tensor-model-parallel-size/--pipeline-model-parallel-size/"
-                "--ds-sequence-parallel-size")
+            sizes = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
+                     "--ds-sequence-parallel-size": sp, "--context-parallel-size": cp}
+            flag = "/".join(f for f, n in sizes.items() if n > 1)  # the ones that were set
             raise ConfigError(flag, f"the product tp*pp*sp*cp = {tp}*{pp}*{sp}*{cp} = "
                               f"{model_parallel} must divide the world size {world}")
         return cls(dp=world // model_parallel, tp=tp, pp=pp, sp=sp, cp=cp)

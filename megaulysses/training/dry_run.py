@@ -70,6 +70,11 @@ def _validated_dims(cfg: Config) -> ParallelDims:
     dims = ParallelDims.from_config(cfg, world)
     cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
     dims.validate_config(cfg)
+    if not (cfg.memory.dry_run_device or cfg.memory.dry_run_gpu):
+        # Planning for this machine: the attention backend must run the mask here, as the
+        # trainer checks (another device's backends cannot be checked from this one).
+        from megaulysses.training.trainer import attention_backend, compute_dtype
+        attention_backend(cfg, dims, torch.device(_device(cfg)), compute_dtype(cfg))
     return dims
 
 

@@ -18,6 +18,7 @@ from megaulysses.training import checkpoint as ckpt
 
 def check_outputs(cfg: Config) -> None:
     """ConfigError when this run would overwrite an earlier run's metrics or checkpoints."""
+    _check_kinds(cfg)
     t = cfg.train
     loaded = ckpt.find_checkpoint(t.load, t.save) if t.load else None
     resumes_own = loaded is not None and t.save is not None and _same(t.load, t.save)
@@ -25,6 +26,17 @@ def check_outputs(cfg: Config) -> None:
         _check_metrics(cfg.log.metrics_jsonl)
     if t.save and not resumes_own:
         _check_save_dir(t.save, t.load)
+
+
+def _check_kinds(cfg: Config) -> None:
+    """An output path of the wrong kind fails when first written: at the end of training
+    for --save. Refuse it before any step."""
+    for flag, path in (("--save", cfg.train.save), ("--tensorboard-dir", cfg.log.tensorboard_dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(flag, f"{path} exists and is not a directory")
+    path = cfg.log.metrics_jsonl
+    if path and os.path.isdir(path):
+        raise ConfigError("--metrics-jsonl", f"{path} is a directory; give a file path")
 
 
 def _same(a: str, b: str) -> bool:
