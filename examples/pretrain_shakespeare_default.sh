@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The bundled default run with every flag spelled out: `python pretrain_gpt.py` with no
-# flags does exactly this. A 12M-parameter Llama-style GPT on Shakespeare, ~5 min on 2 CPU cores.
+# flags does exactly this. A 12M-parameter Llama-style GPT on Shakespeare, 8 min on 2 CPU cores
+# (AMD EPYC Zen 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python pretrain_gpt.py \

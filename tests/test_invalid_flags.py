@@ -9,6 +9,7 @@ does, in one process. A few cases run real ranks to show every rank exits 2 and 
 rank 0 speaks.
 """
 
+import os
 import re
 
 import pytest
@@ -380,6 +381,31 @@ def test_every_rank_exits_2_and_rank_0_prints_one_line(tmp_path, args, flag, wor
     errors = [line for log in logs for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] in logs[0], logs
     assert_one_line_naming(2, "", errors[0], flag, words)
+
+
+def test_under_torchrun_every_worker_exits_2_with_one_line(tmp_path):
+    """The same grid rule under torchrun: one error line in all the output and no
+    traceback from our code (torchrun prints its own ChildFailedError). Each worker exits 2,
+    unless torchrun stopped it first: once one worker fails, torchrun sends SIGTERM to the
+    others (its summary then reports -15 for them)."""
+    import subprocess
+    import sys
+    from dist import free_port
+    from helpers import REPO
+    grid = ["--ds-sequence-parallel-size", "2", "--num-attention-heads", "6", "--hidden-size",
+            "96"] + GQA + ["3"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), "pretrain_gpt.py", *BASE,
+                           *grid, "--data-cache-path", str(tmp_path / "cache")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert 'pretrain_gpt.py", line' not in out and "/megaulysses/" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--ds-sequence-parallel-size" in errors[0], out[-3000:]
+    codes = re.findall(r"exitcode\s*: (-?\d+)", out)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, out[-3000:]
 
 
 # ---- every flag's default against the flags that constrain it (item 7): each flag with
