@@ -569,16 +569,15 @@ def roll_call(timeout_s: float, timed_out: bool) -> Optional[list[int]]:
     longer: the others read the store it may host."""
     store = dist.distributed_c10d._get_default_store()
     me, world = dist.get_rank(), dist.get_world_size()
-    key = _ROLL_CALL.__add__
     try:
-        store.set(key(str(me)), "1")
-        if store.add(key("count"), 1) == 1:  # the first failure sets the longest deadline
-            store.set(key("deadline"), repr(time.time() + timeout_s + ROLL_CALL_SECONDS))
-        if timed_out and store.add(key("timed_out"), 1) == 1:
-            store.set(key("timed_out_deadline"), repr(time.time() + ROLL_CALL_SECONDS))
-        while store.add(key("count"), 0) < world and time.time() < _deadline(store, key):
+        store.set(_key(str(me)), "1")
+        if store.add(_key("count"), 1) == 1:  # the first failure sets the longest deadline
+            store.set(_key("deadline"), repr(time.time() + timeout_s + ROLL_CALL_SECONDS))
+        if timed_out and store.add(_key("timed_out"), 1) == 1:
+            store.set(_key("timed_out_deadline"), repr(time.time() + ROLL_CALL_SECONDS))
+        while store.add(_key("count"), 0) < world and time.time() < _deadline(store):
             time.sleep(0.5)
-        return [r for r in range(world) if not store.check([key(str(r))])]
+        return [r for r in range(world) if not store.check([_key(str(r))])]
     except (RuntimeError, OSError, ValueError):  # the store's host is gone
         return None
     finally:
@@ -586,9 +585,13 @@ def roll_call(timeout_s: float, timed_out: bool) -> Optional[list[int]]:
             time.sleep(2.0)
 
 
-def _deadline(store, key) -> float:
+def _key(name: str) -> str:
+    return _ROLL_CALL + name
+
+
+def _deadline(store) -> float:
     """The roll call's end: the first failure's, or sooner once a rank timed out."""
-    deadline = float(store.get(key("deadline")))
-    if store.check([key("timed_out_deadline")]):
-        deadline = min(deadline, float(store.get(key("timed_out_deadline"))))
+    deadline = float(store.get(_key("deadline")))
+    if store.check([_key("timed_out_deadline")]):
+        deadline = min(deadline, float(store.get(_key("timed_out_deadline"))))
     return deadline

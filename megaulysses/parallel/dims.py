@@ -161,9 +161,10 @@ class ParallelDims:
         return meshes
 
 
-def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> tuple[int, int]:
+def init_distributed(device: torch.device,
+                     timeout: timedelta = timedelta(minutes=10)) -> tuple[int, int]:
     """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone.
-    A collective that waits longer than `timeout_minutes` raises (a rank died or hangs)."""
+    A collective that waits longer than `timeout` raises (a rank died or hangs)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     import os
@@ -172,5 +173,5 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> tup
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

@@ -187,14 +187,14 @@ class Trainer:
         self.dtype = compute_dtype(cfg)
         check_outputs(cfg)  # before anything is built: refusing is quick
         self.fault = faults.from_env()  # tests only
-        timeout = cfg.parallel.distributed_timeout_minutes
-        self.rank, world = init_distributed(self.device, timeout)
+        self.timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        self.rank, world = init_distributed(self.device, self.timeout)
         self.dims = ParallelDims.from_config(cfg, world)
         self.tokenizer = load_tokenizer(cfg)
         cfg.model.vocab_size = self.tokenizer.vocab_size
         self.dims.validate_config(cfg)
         name, core = attention_backend(cfg, self.dims, self.device, self.dtype)
-        self.comm = Comm(self.dims.build_mesh(self.device.type, timedelta(minutes=timeout))
+        self.comm = Comm(self.dims.build_mesh(self.device.type, self.timeout)
                          if world > 1 else None)
         self._build_data()
         with torch.device("meta"):
@@ -282,8 +282,7 @@ class Trainer:
 
     def _build_saver(self) -> ckpt.Saver:
         t = self.cfg.train
-        timeout = timedelta(minutes=self.cfg.parallel.distributed_timeout_minutes)
-        group = self.comm.new_checkpoint_group(timeout) if t.async_save else None
+        group = self.comm.new_checkpoint_group(self.timeout) if t.async_save else None
         return ckpt.Saver(t.save, self.rank, self.comm.barrier, t.keep_last, t.async_save,
                           group)
 
