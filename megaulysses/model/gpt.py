@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
 from megaulysses.model.fused import linear, linear_cross_entropy
-from megaulysses.model.layers import MLP, Linear, apply_rotary, build_norm, rotary_angles
+from megaulysses.model.layers import (MLP, EmbeddingTable, Linear, apply_rotary, build_norm,
+                                      rotary_angles)
 
 
 class SelfAttention(nn.Module):
@@ -78,12 +79,12 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
-        self.position = (nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.word = EmbeddingTable(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position = (EmbeddingTable(cfg.max_positions, cfg.hidden_size)
                          if cfg.position_embedding_type == "learned_absolute" else None)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, tokens, position_ids):  # [b, s] -> [b, s, h]
+    def forward(self, tokens, position_ids):  # [b, s] -> fp32 [b, s, h]
         x = self.word(tokens)
         if self.position is not None:
             x = x + self.position(position_ids)

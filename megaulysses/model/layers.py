@@ -17,17 +17,53 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`."""
+def compute_weight(w: torch.Tensor) -> torch.Tensor:
+    """`w` as a step uses it: rounded to the autocast dtype under autocast (--bf16/--fp16),
+    else itself.
 
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+    The mixed-precision policy, one for every grid and ZeRO stage: every parameter is used
+    in the compute dtype, as Megatron-LM's 16-bit modules do; masters, gradient sums and the
+    residual stream stay fp32. Autocast rounds the linears' weights itself; norms and
+    embeddings, which it leaves in fp32, round through here. ZeRO-2/3 gather parameters
+    already in the compute dtype (the rounding is then a no-op), so they compute exactly
+    what stages 0/1 compute, and hand on fp32 activations as they do.
+    """
+    device = w.device.type
+    if torch.is_autocast_enabled(device):
+        return w.to(torch.get_autocast_dtype(device))
+    return w
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`:
+    computed in fp32 with the weight in the compute dtype (`compute_weight`)."""
+
+    def forward(self, x):  # [..., h] -> fp32 [..., h]
+        return rms_norm(x.float(), compute_weight(self.weight).float(), self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters) computed in fp32 with its weight and bias in the
+    compute dtype (`compute_weight`)."""
+
+    def forward(self, x):  # [..., h] -> fp32 [..., h]
+        return F.layer_norm(x.float(), self.normalized_shape,
+                            compute_weight(self.weight).float(),
+                            compute_weight(self.bias).float(), self.eps)
+
+
+class EmbeddingTable(nn.Embedding):
+    """nn.Embedding (same parameter) that looks up the weight in the compute dtype
+    (`compute_weight`) and returns fp32: the residual stream's dtype."""
+
+    def forward(self, ids):  # [b, s] -> fp32 [b, s, h]
+        return F.embedding(ids, compute_weight(self.weight)).float()
 
 
 def build_norm(kind: str, size: int, eps: float) -> nn.Module:
     if kind == "RMSNorm":
         return RMSNorm(size, eps=eps)
-    return nn.LayerNorm(size, eps=eps)
+    return LayerNorm(size, eps=eps)
 
 
 class MLP(nn.Module):

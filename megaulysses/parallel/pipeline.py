@@ -81,7 +81,12 @@ class StageModule(nn.Module):
         if self.first:
             x = self.embed(x, position_ids)
         x = self.gpt.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s/sp, h]
-        return self.gpt.output(x, labels) if self.last else x  # last: losses [b, s/sp]
+        if self.last:
+            return self.gpt.output(x, labels)  # losses [b, s/sp]
+        if x.dtype != torch.float32:  # the next stage would read these bytes as fp32
+            raise RuntimeError(f"the pipeline stage of layers {list(self.layers)} sends "
+                               f"{x.dtype} hidden states; stages exchange fp32")
+        return x
 
 
 class _Stage(PipelineStage):

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from megaulysses.model.fused import vocab_parallel_linear_cross_entropy
+from megaulysses.model.layers import compute_weight
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import TP
 
@@ -91,11 +92,11 @@ class VocabParallelEmbedding(nn.Module):
         self.mesh = tp_mesh
         self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h], whole
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h], whole
         w = self.weight.to_local()  # [V/tp, h]: rows [start, start + V/tp)
         local = ids - self.mesh.get_local_rank() * w.shape[0]
         outside = (local < 0) | (local >= w.shape[0])  # [b, s]
-        part = F.embedding(local.masked_fill(outside, 0), w)  # [b, s, h]
+        part = F.embedding(local.masked_fill(outside, 0), compute_weight(w)).float()  # [b, s, h]
         part = part.masked_fill_(outside.unsqueeze(-1), 0.0)  # this rank's share of the sum
         return DTensor.from_local(part, self.mesh, [Partial()]).redistribute(
             self.mesh, [Replicate()]).to_local()

@@ -470,25 +470,30 @@ class Trainer:
         return rec
 
     def generate(self):
-        """Rank 0 samples from a whole, single-device copy of the model (on a grid the
-        shards and stages are gathered to it first: every rank takes part in that)."""
+        """Rank 0 samples from the trained model in the compute dtype (autocast), through an
+        attention core chosen for the device and dtype it runs in. One process samples from
+        its own model; on a grid the shards and stages are gathered (every rank takes part)
+        into a whole model on rank 0's CPU: no second whole model on the accelerator beside
+        the training state."""
         t = self.cfg.train
         if not t.generate:
             return None
-        model = self.model
+        model, device = self.model, self.device
         if self.dims.world > 1:
             state = full_state_dict(self.model, self.comm)
             if self.rank != 0:
                 return None
-            core = select_backend("auto", self.device, self.dtype,
+            device = torch.device("cpu")
+            core = select_backend("auto", device, self.dtype,
                                   mask_from_config(self.cfg.model))[1]
-            model = build_model(self.cfg.model, core, t.seed, self.device)
+            model = build_model(self.cfg.model, core, t.seed, device)
             model.load_state_dict(state)
         prompt = self.tokenizer.tokenize(t.generate_prompt) if t.generate_prompt else []
         prompt = prompt or [self.tokenizer.eod]  # start of a new document
-        new = sample(model, prompt, t.generate, self.cfg.model.seq_length,
-                     self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
-                     seed=t.seed)
+        with autocast(device, self.dtype):
+            new = sample(model, prompt, t.generate, self.cfg.model.seq_length,
+                         self.tokenizer.vocab_size, t.generate_temperature, t.generate_top_k,
+                         seed=t.seed)
         return self.tokenizer.detokenize([i for i in new if i != self.tokenizer.eod])
 
 
