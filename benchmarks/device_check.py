@@ -16,7 +16,7 @@ fails, runs out of memory or runs out of time leaves the next one a clean device
                 bf16, `--attention-backend auto` (flash_attn where installed, else SDPA),
                 `--recompute-granularity full`, through the real Trainer and train_step
                 (micro-batch 1, no gradient clipping): tokens/s, TFLOP/s (Megatron's
-                count, metrics.flops_per_iteration), MFU against GPU_PEAK_TFLOPS, peak
+                count, metrics.flops_per_iteration), MFU against metrics.GPU_PEAKS, peak
                 memory (torch.cuda.max_memory_allocated over the timed steps) against
                 plan_memory(cfg, dims, 0, "cuda"). If 32K does not fit (the plan exceeds
                 the GPU, or a step runs out of memory) it steps down to 16K, 8K, 4K and
@@ -193,13 +193,14 @@ def model_flags(shape: dict, seq: int) -> list:
 
 
 def _peak_tflops(device, name: str):
-    """(TFLOP/s, where it came from): GPU_PEAK_TFLOPS by name, else a measured matmul."""
+    """(TFLOP/s, where it came from): the bf16 peak of metrics.GPU_PEAKS' entry for this
+    GPU (most specific name first), else a measured matmul."""
     import torch
-    from megaulysses.training.metrics import GPU_PEAK_TFLOPS, peak_tflops
-    for key, (half, _) in GPU_PEAK_TFLOPS.items():
-        if key in name:
-            return half, f"GPU_PEAK_TFLOPS[{key!r}] (bf16 dense)"
-    return peak_tflops(device, torch.bfloat16, None), "measured matmul (not in GPU_PEAK_TFLOPS)"
+    from megaulysses.training.metrics import gpu_peak, peak_tflops
+    hit = gpu_peak(name)
+    if hit is not None:
+        return hit[1].half, f"GPU_PEAKS[{' '.join(hit[0])!r}] (bf16 dense)"
+    return peak_tflops(device, torch.bfloat16, None), "measured matmul (not in GPU_PEAKS)"
 
 
 def part_throughput(args) -> dict:

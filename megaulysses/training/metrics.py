@@ -5,24 +5,67 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import mask_from_config
 from megaulysses.model.fused import linear
+from megaulysses.training.precision import tf32_active
 
 log = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per GPU (bf16/fp16 tensor cores; fp32 uses the TF32 figure).
-GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 494.0), "H100": (989.0, 494.0), "A100": (312.0, 156.0),
-    "A10": (125.0, 62.5), "L40S": (362.0, 183.0), "L4": (121.0, 60.0),
-    "V100": (125.0, 15.7), "B200": (2250.0, 1100.0),
+
+class GpuPeak(NamedTuple):
+    """Dense (no 2:4 sparsity) peak TFLOP/s of one GPU, from NVIDIA's data sheets."""
+    half: float  # bf16/fp16 inputs on tensor cores (V100: fp16 only)
+    tf32: float  # fp32 inputs on TF32 tensor cores (no TF32 before Ampere: = fp32)
+    fp32: float  # IEEE fp32 on CUDA cores
+
+
+# Keyed by the tokens (upper case, split at anything not a letter or digit) that must all
+# be in torch.cuda.get_device_name(); the entry with the most tokens wins, so a PCIe or
+# NVL part gets its own figures and "L4" never matches "L40" or "L40S".
+GPU_PEAKS: dict[tuple[str, ...], GpuPeak] = {
+    ("B200",): GpuPeak(2250.0, 1100.0, 75.0),  # HGX B200, per GPU
+    ("GH200",): GpuPeak(989.4, 494.7, 66.9),
+    ("H200",): GpuPeak(989.4, 494.7, 66.9),  # SXM
+    ("H200", "NVL"): GpuPeak(835.5, 417.5, 60.0),
+    ("H100",): GpuPeak(989.4, 494.7, 66.9),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H100", "PCIE"): GpuPeak(756.5, 378.0, 51.2),
+    ("H100", "NVL"): GpuPeak(835.5, 417.5, 60.0),
+    ("A100",): GpuPeak(312.0, 156.0, 19.5),  # SXM4 and PCIe alike
+    ("A40",): GpuPeak(149.7, 74.8, 37.4),
+    ("A10",): GpuPeak(125.0, 62.5, 31.2),
+    ("L40S",): GpuPeak(362.05, 183.0, 91.6),
+    ("L40",): GpuPeak(181.05, 90.5, 90.5),
+    ("L4",): GpuPeak(121.0, 60.0, 30.3),
+    ("V100",): GpuPeak(125.0, 15.7, 15.7),  # SXM2
+    ("V100", "PCIE"): GpuPeak(112.0, 14.0, 14.0),
 }
+
+
+def gpu_peak(name: str) -> Optional[tuple[tuple[str, ...], GpuPeak]]:
+    """(key, peaks) of GPU_PEAKS' most specific entry for a device name, or None."""
+    tokens = set(re.split(r"[^A-Z0-9]+", name.upper()))
+    hits = [(key, peak) for key, peak in GPU_PEAKS.items() if set(key) <= tokens]
+    return max(hits, key=lambda hit: len(hit[0]), default=None)
+
+
+def gpu_peak_tflops(name: str, dtype: torch.dtype, tf32: bool) -> Optional[float]:
+    """The table's peak for this GPU and compute dtype (fp32: TF32's when `tf32`), or None
+    for a GPU it does not know."""
+    hit = gpu_peak(name)
+    if hit is None:
+        return None
+    peak = hit[1]
+    if dtype in (torch.bfloat16, torch.float16):
+        return peak.half
+    return peak.tf32 if tf32 else peak.fp32
 
 
 def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
@@ -70,14 +113,23 @@ def _best_matmul_rate(dtype: torch.dtype, n: int) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float]) -> float:
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float],
+                name: Optional[str] = None, tf32: Optional[bool] = None) -> float:
+    """The per-device peak MFU divides by: `override` (--peak-tflops); on CUDA the table
+    for `name` (default: the device's), fp32 at the TF32 peak where fp32 matmuls run in
+    TF32 (`tf32`, default: precision.tf32_active()), else a timed matmul."""
     if override:
         return override
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (half, fp32) in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return half if dtype in (torch.bfloat16, torch.float16) else fp32
+        name = name or torch.cuda.get_device_name(device)
+        tf32 = tf32_active() if tf32 is None else tf32
+        peak = gpu_peak_tflops(name, dtype, tf32)
+        if peak is not None:
+            kind = "bf16/fp16" if dtype in (torch.bfloat16, torch.float16) else \
+                ("TF32" if tf32 else "fp32 (no TF32)")
+            log.info("peak for MFU: %s -> GPU_PEAKS[%s] %s %.1f TFLOP/s", name,
+                     " ".join(gpu_peak(name)[0]), kind, peak)
+            return peak
         log.warning("unknown GPU %r: pass --peak-tflops for MFU; measuring a matmul", name)
     return measure_cpu_peak_tflops(dtype) if device.type == "cpu" else _measure_cuda(dtype)
 

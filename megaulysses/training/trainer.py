@@ -40,6 +40,7 @@ from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training import determinism
 from megaulysses.training import faults
+from megaulysses.training import precision
 from megaulysses.training.outputs import check_outputs
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
                                           memory_stats, peak_tflops)
@@ -184,6 +185,7 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # before the process group and the first matmul: NCCL and cuBLAS read it then
         log.info("%s", determinism.configure(t.deterministic, self.device))
+        log.info("%s", precision.configure_tf32(self.device))  # before peak_tflops reads it
         self.dtype = compute_dtype(cfg)
         check_outputs(cfg)  # before anything is built: refusing is quick
         self.fault = faults.from_env()  # tests only

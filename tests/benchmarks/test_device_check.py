@@ -1,14 +1,18 @@
-"""The prepared GPU check (benchmarks/device_check.sh, .py; issue 14, item 3).
+"""The prepared GPU check (benchmarks/device_check.sh, .py; issues 14 and 22).
 
 `cuda`-marked tests are part (a) of the check (`pytest -m cuda`): the attention kernels on
 a CUDA device against the math reference, forward and backward. They skip without CUDA.
-The others are CPU smoke tests of the check itself: the shell script on a machine without
-CUDA (everything skipped, exit 0, the report written), `--help`, and `--cpu-smoke`
-(parts (b)-(d) tiny on the CPU, so their code runs here).
+The others are CPU tests of the check itself: the shell script on a machine without CUDA
+(everything skipped, exit 0, the report written); its refusals (nvidia-smi lists a GPU
+torch cannot see: exit 3; a needed package missing: exit 2); python3 where there is no
+python; its time budget; its kernel snippets (part (e)) parse, the ring one runs on the
+CPU; `--help`, and `--cpu-smoke` (parts (b)-(d) tiny on the CPU, so their code runs here).
 """
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +23,7 @@ from megaulysses.model.attention import AttentionMask, math_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "device_check.py")
+SHELL = os.path.join(REPO, "benchmarks", "device_check.sh")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 # -- part (a): kernels on CUDA against the math reference ------------------------------------
@@ -55,13 +60,36 @@ def _against_math(core, mask, dtype, atol, rtol):
         torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda e: f"d{name}: {e}")
 
 
+@pytest.fixture
+def ieee_fp32():
+    """fp32 matmuls in IEEE fp32 (no TF32), whatever an earlier test in this process set."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_block_kernel_matches_math_on_cuda_fp32(mask):
+def test_block_kernel_matches_math_on_cuda_fp32(mask, ieee_fp32):
     from megaulysses.model.block_attention import masked_block_attention
     # fp32 matmuls everywhere (no TF32): the two differ only by summation order
     _against_math(masked_block_attention, MASKS[mask], torch.float32, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_gqa_runs_without_the_math_kernel_on_cuda(dtype, ieee_fp32):
+    """GQA through SDPA with its math kernel (s x s scores) forbidden: fp32 takes the
+    memory-efficient kernel on repeated k/v, bf16 the flash kernel's own GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from megaulysses.model.attention import sdpa_attention
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        _against_math(lambda q, k, v, m: sdpa_attention(q, k, v, 0.0, m), MASKS["causal"],
+                      dtype, atol=tol, rtol=tol)
 
 
 @pytest.mark.cuda
@@ -106,7 +134,12 @@ def test_shell_script_without_cuda_skips_and_exits_0(tmp_path):
     r = _run(["bash", os.path.join(REPO, "benchmarks", "device_check.sh"), str(out)],
              timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "no CUDA device: parts (a)-(d) skipped" in r.stdout
+    assert "no CUDA device: parts (b)-(e) skipped" in r.stdout
+    assert "needs: torch, pytest, numpy: found" in r.stdout
+    assert "optional: flash_attn: " in r.stdout  # found or not, it is reported
+    tsv = (out / "parts.tsv").read_text()
+    for name in ("kernel_ring", "kernel_flex", "kernel_flash"):
+        assert f"{name}\tskipped\t" in tsv
     result = json.loads((out / "device_check.json").read_text())
     parts = result["parts"]
     assert result["ok"]
@@ -131,3 +164,90 @@ def test_cpu_smoke_runs_parts_b_to_d(tmp_path):
     if d["status"] != "skipped":  # transformers installed
         assert d["status"] == "ok" and d["ratio_ours_over_hf"] > 0
     assert "(b) parity | ok" in (out / "device_check.md").read_text()
+
+
+def _bin(tmp_path, **scripts) -> str:
+    """A folder of executables: name -> shell script text, or a path to link to."""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        if os.path.isabs(body):
+            os.symlink(body, folder / name)
+        else:
+            (folder / name).write_text("#!/bin/sh\n" + body)
+            (folder / name).chmod(0o755)
+    return str(folder)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no GPU")
+def test_gpu_listed_but_not_seen_by_torch_fails_with_python3_only(tmp_path):
+    """nvidia-smi lists a GPU, this CPU build of torch sees none: exit 3 at once, nothing
+    run. PATH has python3 but no python: the script takes python3."""
+    fake = _bin(tmp_path, python3=sys.executable,
+                **{"nvidia-smi": 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'})
+    r = _run(["bash", SHELL, str(tmp_path / "dc")], timeout=120,
+             env=_env(PATH=f"{fake}:/usr/bin:/bin"))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert f"python: {fake}/python3" in r.stdout
+    assert "nvidia-smi lists 1 GPU(s) but torch sees no CUDA device" in r.stderr
+    assert not (tmp_path / "dc" / "parts.tsv").exists()  # no part ran
+
+
+def test_missing_package_is_named_and_exits_2(tmp_path):
+    """pytest unimportable (shadowed by a package that fails to import): exit 2 naming it."""
+    shadow = tmp_path / "shadow" / "pytest"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('shadowed by the test')\n")
+    r = _run(["bash", SHELL, str(tmp_path / "dc")], timeout=120,
+             env=_env(PYTHON=sys.executable, PYTHONPATH=str(tmp_path / "shadow")))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "missing python packages: pytest (ImportError: shadowed by the test)" in r.stderr
+
+
+def _default(name: str, text: str) -> int:
+    return int(re.search(r"\$\{" + name + r":-(\d+)\}", text).group(1))
+
+
+def test_the_budget_fits_8_minutes():
+    """The parts' default limits, 20 s for the checks before them and 20 s for the report
+    fit DC_TOTAL, and DC_TOTAL fits 8 minutes."""
+    text = open(SHELL).read()
+    limits = [int(n) for n in re.findall(r"\$\{DC_LIMIT_\w+:-(\d+)\}", text)]
+    assert len(limits) == 7  # pytest, ring, flex, flash, parity, throughput, hf
+    total = _default("DC_TOTAL", text)
+    assert sum(limits) + 20 + 20 <= total <= 480
+
+
+def _snippet(name: str) -> str:
+    r = _run(["bash", SHELL, "--print-snippet", name], timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("name", ["ring", "flex", "flash"])
+def test_kernel_snippets_parse(name):
+    ast.parse(_snippet(name))
+
+
+def test_ring_snippet_runs_on_the_cpu():
+    """Part (e)'s ring check itself, small, on the CPU: forward and backward against math."""
+    r = subprocess.run([sys.executable, "-"], input=_snippet("ring"), cwd=REPO, text=True,
+                       capture_output=True, timeout=120,
+                       env=_env(DC_DEVICE="cpu", DC_SEQ="128"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ring: ok")
+
+
+def test_flash_snippet_skips_without_flash_attn():
+    from megaulysses.model.attention import flash_available
+    if flash_available(torch.device("cuda")):
+        pytest.skip("flash_attn runs here")
+    r = subprocess.run([sys.executable, "-"], input=_snippet("flash"), cwd=REPO, text=True,
+                       capture_output=True, timeout=60, env=_env(DC_DEVICE="cpu"))
+    assert r.returncode == 0 and r.stdout.startswith("flash: skipped"), r.stdout + r.stderr

@@ -108,3 +108,62 @@ def test_flops_formula_matches_counted_matmuls(kw, monkeypatch):
     # The embedding lookup's input gradient is never formed (tokens are ints), so the
     # first layer's input-gradient matmuls are still counted: nothing to subtract.
     assert counter.get_total_flops() == flops_per_iteration(cfg, global_batch_size=3)
+
+
+# -- the GPU peak table: the most specific entry, by whole tokens of the device name ---------
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("name,dtype,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", BF16, True, 989.4),  # SXM5
+    ("NVIDIA H100 PCIe", BF16, True, 756.5),
+    ("NVIDIA H100 PCIe", FP32, True, 378.0),
+    ("NVIDIA H100 PCIe", FP32, False, 51.2),
+    ("NVIDIA H100 NVL", BF16, True, 835.5),
+    ("NVIDIA H100 80GB HBM3", FP32, True, 494.7),
+    ("NVIDIA H100 80GB HBM3", FP32, False, 66.9),
+    ("NVIDIA H200", BF16, True, 989.4),
+    ("NVIDIA H200 NVL", BF16, True, 835.5),
+    ("NVIDIA GH200 480GB", BF16, True, 989.4),
+    ("NVIDIA A100-SXM4-80GB", BF16, True, 312.0),
+    ("NVIDIA A100 80GB PCIe", FP32, True, 156.0),
+    ("NVIDIA A100-SXM4-40GB", FP32, False, 19.5),
+    ("NVIDIA L40", BF16, True, 181.05),  # not L4's
+    ("NVIDIA L40S", BF16, True, 362.05),  # not L40's
+    ("NVIDIA L4", BF16, True, 121.0),
+    ("NVIDIA L4", FP32, True, 60.0),
+    ("NVIDIA A10", torch.float16, True, 125.0),
+    ("NVIDIA A40", BF16, True, 149.7),
+    ("Tesla V100-SXM2-16GB", torch.float16, True, 125.0),
+    ("Tesla V100-PCIE-32GB", FP32, True, 14.0),  # no TF32 on Volta: tf32 = fp32
+    ("NVIDIA B200", BF16, True, 2250.0),
+    ("NVIDIA A10G", BF16, True, None),  # not A10's: unknown, measured
+    ("NVIDIA GeForce RTX 4090", BF16, True, None),
+    ("NVIDIA H1000", BF16, True, None),
+])
+def test_gpu_peak_table(name, dtype, tf32, peak):
+    from megaulysses.training.metrics import gpu_peak_tflops
+    assert gpu_peak_tflops(name, dtype, tf32) == peak
+
+
+def test_peak_tflops_on_cuda_reads_the_table_and_the_tf32_state(monkeypatch):
+    """peak_tflops as the trainer calls it, the device name and TF32 state faked."""
+    from megaulysses.training import metrics
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    monkeypatch.setattr(metrics, "tf32_active", lambda: True)
+    assert metrics.peak_tflops(cuda, BF16, None) == 756.5
+    assert metrics.peak_tflops(cuda, FP32, None) == 378.0
+    monkeypatch.setattr(metrics, "tf32_active", lambda: False)
+    assert metrics.peak_tflops(cuda, FP32, None) == 51.2
+    assert metrics.peak_tflops(cuda, FP32, 123.0) == 123.0  # --peak-tflops wins
+    assert metrics.peak_tflops(cuda, BF16, None, name="NVIDIA L40S") == 362.05
+
+
+def test_no_two_table_entries_tie():
+    """Every entry is the most specific for its own name: no two match with the same
+    number of tokens."""
+    from megaulysses.training.metrics import GPU_PEAKS, gpu_peak
+    for key in GPU_PEAKS:
+        assert gpu_peak("NVIDIA " + " ".join(key))[0] == key
