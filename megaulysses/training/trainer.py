@@ -40,6 +40,7 @@ from megaulysses.parallel.zero import Zero
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training import determinism
 from megaulysses.training import faults
+from megaulysses.training.device import pick_device
 from megaulysses.training import precision
 from megaulysses.training.outputs import check_outputs
 from megaulysses.training.metrics import (MetricsWriter, flops_per_iteration, format_duration,
@@ -182,7 +183,7 @@ class Trainer:
         t = cfg.train
         self.started = time.monotonic()  # --exit-duration-in-mins counts from here
         seed_everything(t.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = pick_device()
         # before the process group and the first matmul: NCCL and cuBLAS read it then
         log.info("%s", determinism.configure(t.deterministic, self.device))
         log.info("%s", precision.configure_tf32(self.device))  # before peak_tflops reads it
