@@ -171,7 +171,12 @@ def init_distributed(device: torch.device,
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     backend = "nccl" if device.type == "cuda" else "gloo"
+    bound = {}
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timeout)
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local)
+        # NCCL bound to this GPU: its communicator starts now (not at the first
+        # collective), and the mesh's subgroups split from it instead of starting anew.
+        bound["device_id"] = local
+    dist.init_process_group(backend, timeout=timeout, **bound)
     return dist.get_rank(), dist.get_world_size()
