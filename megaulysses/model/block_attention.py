@@ -26,6 +26,10 @@ positions: `partial_forward` attends a set of query rows to one set of keys (pos
 `partial_backward`, given the final out and lse, returns one key set's share of the
 gradients (the shares over a partition of the keys sum to the full gradient).
 
+A plain causal or full mask needs no blocks: `masked_block_attention` and the ring run it
+on a fused kernel with lse (model/fused_attention.py, `plain_fused_kernel`), one call each
+way, where one exists for the device and dtype; the blocks serve every other mask.
+
 GQA: q is viewed as `[b, hkv, s * rep, d]` with rows ordered (position, head in group), so a
 block of positions is a contiguous range of rows served by one kv head, as in
 `fused.block_causal_attention`; the element mask is repeated `rep` times along the rows.
@@ -42,6 +46,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from megaulysses.model.attention import PARTIAL, SKIP, AttentionMask
+from megaulysses.model.fused_attention import FusedKernel, fused_kernel
 
 Keys = Union[slice, torch.Tensor]  # the selected keys: a range, or gathered row indices
 
@@ -293,10 +298,47 @@ class _MaskedBlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+class _FusedAttention(torch.autograd.Function):
+    """A plain causal or full mask on a fused kernel (model/fused_attention.py): one call
+    each way. Saves q, k, v, out, lse, as the block kernel does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, kernel: FusedKernel):
+        scale = q.shape[-1] ** -0.5
+        out, lse = kernel.forward(q, k, v, causal, scale)  # [b, s, hq, d] contiguous
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.kernel, ctx.scale = causal, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.causal,
+                                         ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def plain_fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: AttentionMask) -> Optional[FusedKernel]:
+    """The fused kernel for a plain causal or full mask (no window, layout or documents)
+    and inputs of one dtype, else None."""
+    if mask.window is not None or mask.layout is not None or mask.documents is not None:
+        return None
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    return fused_kernel(q)
+
+
 def masked_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: AttentionMask) -> torch.Tensor:
     """Attention core for any mask, no dropout: q `[b, s, hq, d]`, k and v `[b, s, hkv, d]`
-    -> `[b, s, hq, d]` in q's dtype."""
+    -> `[b, s, hq, d]` in q's dtype. A plain causal or full mask runs on the fused kernel
+    where there is one (on CPU, forward + backward at s = 1024-4096: 1.5-1.6x the blocks'
+    speed in fp32, 2.5-2.8x in bf16; benchmarks/ring_step.py's causal step is this call),
+    every other mask on the blocks."""
+    kernel = plain_fused_kernel(q, k, v, mask)
+    if kernel is not None:
+        return _FusedAttention.apply(q, k, v, mask.causal, kernel)
     layout_block = mask.layout.block if mask.layout is not None else None
     block = attention_block_size(q.shape[1], layout_block=layout_block)
     return _MaskedBlockAttention.apply(q, k, v, mask, block)

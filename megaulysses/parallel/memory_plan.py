@@ -29,8 +29,10 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  math path): q, k, v + three fp32 S*S per head (probabilities, mask,
                  dropped); the block kernel of model/block_attention.py (any mask but plain
                  causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
-                 lse -- no probabilities; the ring (cp > 1, parallel/ring.py, inside
-                 Ulysses) the same (its output merged in fp32, saved in q's dtype);
+                 lse -- no probabilities (plain causal there runs the fused kernel of
+                 model/fused_attention.py, which keeps the same, as SDPA); the ring (cp > 1,
+                 parallel/ring.py, inside Ulysses) the same (its output merged in fp32,
+                 saved in q's dtype), on either kernel;
                  selective: only the core's inputs (the checkpoint), e*T*(hq +
                  2kv)*d -- everything else is recomputed in backward
     out input    the out-projection's input, e*T*hq*d (none without Ulysses when it is the
@@ -141,6 +143,17 @@ product or cast beside them; plus the block's element mask, a byte per score):
                          e*Q, cast at the end), the keys and values arriving; later steps
                          also those received and the step's partial out and lse, 4*Q (merged
                          into the running ones in place, no temporaries of out's size)
+The ring on the fused kernel (a plain causal mask; measured exactly, per ring rank: its
+later steps take all query rows x half the keys, or half the rows x all keys):
+    ring backward        the largest later step at the kernel's return: dout, dq's fp32
+                         accumulator, the received keys and values and those arriving (all
+                         steps but the last), the fp32 dk, dv accumulators in flight and
+                         arriving, 4*4K, and the kernel's shares in q's dtype for its rows and
+                         keys (the kernel's own scratch is no tensor on CPU)
+    ring forward         the largest later step at its merge: the running fp32 out beyond
+                         the kept one, the received keys and values and those arriving, the
+                         step's partial out (q's dtype; and its fp32 copy under autocast) and
+                         lse for its rows, and the merge's four lse-sized temporaries
 
 Communication per iteration, bytes this rank sends per (group, kind), comm.py's conventions
 (the group is the mesh dim: sp, cp, tp, dp_sp, pp): Ulysses
@@ -344,7 +357,7 @@ class _Shape:
     rope: bool
     layernorm: bool
     hidden_dropout: bool
-    kernel: str  # block | masked | ring | sdpa | sdpa-math | math
+    kernel: str  # block | masked | ring | sdpa | fused | sdpa-math | math
     ce_rows: int  # rows of a cross-entropy chunk
     block: int = 64  # masked / ring: the kernel's block of query (and key) positions
     keys: int = 0  # masked / ring: the most keys one query block attends in one call
@@ -352,6 +365,8 @@ class _Shape:
     keys_later: int = 0  # the ring's later steps: the most keys of another rank's
     keys_arriving: int = 0  # ... at a later step while the next step's keys arrive
     documents: bool = False  # the batch carries packed documents' ids
+    fused: bool = False  # ring: every step on the fused kernel (plain causal mask)
+    cp_rank: int = 0  # the ring rank planned
 
     @property
     def ce_kept(self) -> bool:
@@ -403,7 +418,9 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
     mega_sp = cfg.parallel.sequence_parallel and tp > 1
     T = t.micro_batch_size * m.seq_length // (sp * cp)
     kernel = _kernel(cfg, dims, device_type)
-    blocks = _blocks(m, cp, cp_rank) if kernel in ("masked", "ring") else (64, 0, 0, 0)
+    fused = kernel == "ring" and _fused(cfg, device_type)
+    blocks = (_blocks(m, cp, cp_rank) if kernel in ("masked", "ring") and not fused
+              else (64, 0, 0, 0))
     hkv = m.num_kv_heads // tp
     V = m.padded_vocab_size // tp
     return _Shape(b=t.micro_batch_size, S=m.seq_length, T=T, Tr=T // tp if mega_sp else T,
@@ -414,7 +431,7 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
-                  documents=cfg.data.reset_attention_mask,
+                  documents=cfg.data.reset_attention_mask, fused=fused, cp_rank=cp_rank,
                   ce_rows=max(1, min(T, CE_BUDGET.get(device_type, CE_BUDGET["cuda"]) // V)))
 
 
@@ -423,8 +440,11 @@ def _describe(s: _Shape) -> str:
     names = {"block": "CPU query-block kernel (causal, keeps probabilities)",
              "masked": "block kernel", "ring": f"ring over cp {s.cp}, block kernel",
              "sdpa": "SDPA / flash (keeps the logsumexp)",
+             "fused": "block backend, plain causal: fused kernel (keeps the logsumexp)",
              "sdpa-math": "SDPA math path (dropout)", "math": "math (explicit scores)"}
     words = names[s.kernel]
+    if s.fused:
+        return f"ring over cp {s.cp}, fused kernel (with lse, one call a step)"
     if s.kernel in ("masked", "ring"):
         words += (f", blocks of {s.block}, <= {max(s.keys, s.keys_later)} keys a query "
                   "block")
@@ -438,6 +458,13 @@ def _masked(cfg: Config) -> bool:
             or cfg.data.reset_attention_mask)
 
 
+def _fused(cfg: Config, device_type: str) -> bool:
+    """A plain causal mask that model/fused_attention.py has a kernel for: CPU (fp32,
+    16-bit), CUDA with head dim a multiple of 8 up to 256."""
+    d = cfg.model.head_dim
+    return not _masked(cfg) and (device_type == "cpu" or (d % 8 == 0 and d <= 256))
+
+
 def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
     """The attention core `select_backend`, `cpu_attention` and the ring run."""
     m, half = cfg.model, cfg.train.bf16 or cfg.train.fp16
@@ -445,6 +472,8 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
         return "ring"  # parallel/ring.py, whatever the backend (and inside Ulysses)
     if m.attention_backend == "math":
         return "math"
+    if m.attention_backend == "block" and _fused(cfg, device_type):
+        return "fused"  # the block backend's fused kernel: q, k, v, out, lse, as SDPA
     if m.attention_backend == "block" or (device_type == "cpu" and _masked(cfg)
                                           and m.attention_backend == "auto"):
         return "masked"  # model/block_attention.py: masked_block_attention
@@ -802,7 +831,7 @@ def _core_out_is_saved(s: _Shape, selective: bool) -> bool:
     a view."""
     if selective or s.sp > 1:
         return False
-    return s.kernel in ("sdpa", "masked", "ring")
+    return s.kernel in ("sdpa", "fused", "masked", "ring")
 
 
 def _norm(s: _Shape) -> int:
@@ -845,7 +874,7 @@ def _core_backward(s: _Shape) -> int:
     if s.kernel == "masked":
         return _masked_backward(s)
     if s.kernel == "ring":
-        return _ring_backward(s)
+        return _ring_fused_backward(s) if s.fused else _ring_backward(s)
     return s.e * qkv
 
 
@@ -904,11 +933,52 @@ def _core_forward(s: _Shape) -> int:
         return grouped + _block_set(s, s.keys, backward=False)
     if s.kernel != "ring":
         return 0
+    if s.fused:
+        return _ring_fused_forward(s)
     common = grouped + (F32 - e) * s.Q
     later = common + kv + F32 * s.Q + s.lse  # received, the step's partial
     return max(common + kv + _block_set(s, s.keys, False),
                later + _block_set(s, s.keys_later, False),
                later + kv + _block_set(s, s.keys_arriving, False) if s.keys_arriving else 0)
+
+
+def _fused_ring_steps(s: _Shape) -> list[tuple[float, float, bool]]:
+    """The fused ring's later steps t = 1..C-1 on ring rank s.cp_rank (parallel/ring.py's
+    `fused_step`): (share of the query rows, share of the keys, the next keys arriving):
+    an earlier rank's keys: all rows x its early chunk; a later rank's: the late chunk x
+    all its keys."""
+    c, C = s.cp_rank, s.cp
+    return [((1.0, 0.5) if (c - t) % C < c else (0.5, 1.0)) + (t < C - 1,)
+            for t in range(1, C)]
+
+
+def _ring_fused_backward(s: _Shape) -> int:
+    """parallel/ring.py's backward on the fused kernel (measured), the largest of its later
+    steps at the kernel's return (step 0 holds less): dout; dq's fp32 accumulator; the
+    step's received keys and values and those arriving for the next step (all but the
+    last); the last step's fp32 dk, dv accumulators in flight and those arriving, 4*4K;
+    the kernel's dq, dk, dv shares in q's dtype, for its rows and keys only. (A kernel's own
+    scratch is not counted: on CPU it is no tensor.)"""
+    e, kv = s.e, 2 * s.e * s.K
+    held = e * s.Q + F32 * s.Q + kv + 4 * F32 * s.K
+    return max(held + (kv if arriving else 0) + int(e * (rows * s.Q + 2 * keys * s.K))
+               for rows, keys, arriving in _fused_ring_steps(s))
+
+
+def _ring_fused_forward(s: _Shape) -> int:
+    """parallel/ring.py's forward on the fused kernel, the largest of its later steps at
+    the merge: the running fp32 out beyond the kept one, the step's received keys and
+    values and those arriving (all but the last); the kernel's partial out (q's dtype) and
+    lse for its rows, the out's fp32 copy (16-bit) and the merge's four lse-sized
+    temporaries."""
+    e, kv = s.e, 2 * s.e * s.K
+    held = (F32 - e) * s.Q + kv
+
+    def partial(rows: float) -> int:
+        return int(rows * ((e + (F32 if e != F32 else 0)) * s.Q + 5 * s.lse))
+
+    return max(held + (kv if arriving else 0) + partial(rows)
+               for rows, _, arriving in _fused_ring_steps(s))
 
 
 def _mlp_terms(s: _Shape) -> dict:

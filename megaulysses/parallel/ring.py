@@ -8,12 +8,17 @@ Ulysses' all-to-all gives each of them all S/C tokens for hq/(tp U) heads, and t
 then runs over the C ranks that hold the same heads.
 
 Forward: C steps. At step t rank c holds the keys/values of ring rank (c - t) mod C, passes
-them on to c + 1 while it computes its queries against them (model/block_attention.py:
-only the blocks the mask reaches, in global positions, so causal, window, documents and
-sparse layouts skip whole blocks here too), and merges the partial results by their
-log-sum-exp (online softmax). Backward is the flash-attention decomposition over the same
-steps: each step's key/value gradients travel with an accumulator that arrives back at its
-owner after C passes.
+them on to c + 1 while it computes its queries against them, and merges the partial results
+by their log-sum-exp (online softmax, `merge`, exact to fp32 rounding). A step runs on
+  - a fused kernel with lse (model/fused_attention.py: flash-attn or torch's fused SDPA ops)
+    when the mask is plain causal or full: under the zigzag every causal step is then one
+    causal square (its own keys) or one full rectangle (`fused_step`), one kernel call,
+    chosen from Python integers (no host sync);
+  - else the block kernel (model/block_attention.py: only the blocks the mask reaches, in
+    global positions, so windows, documents and sparse layouts skip whole blocks here too).
+Backward is the flash-attention decomposition over the same steps (each kernel's backward
+given the final out and lse returns its key set's share): each step's key/value gradients
+travel with an accumulator that arrives back at its owner after C passes.
 
 Bytes sent per rank per layer (counted as "ring"), k and v `[b, S/(U C), hkv/?, d]` after
 Ulysses, i.e. kv = b * (S/C) * (hkv_local) * d elements per tensor:
@@ -21,17 +26,21 @@ Ulysses, i.e. kv = b * (S/C) * (hkv_local) * d elements per tensor:
     backward  (C-1) * 2 * kv * element size + C * 2 * kv * 4 (fp32 gradient accumulators)
 A rank never holds more than two ring steps' keys and values at once. Memory: one step's
 partial (forward) or gradient shares (backward) at a time; the partials merge in place into
-the running fp32 out, which is saved (and returned) in q's dtype with the fp32 lse; the
-key/value gradients travel as partial_backward makes them (contiguous, no send copies).
+the running fp32 out (fused steps' half-dtype partials cast to fp32 first), which is saved
+(and returned) in q's dtype with the fp32 lse; each step's key/value shares are added into
+the fp32 accumulators that arrive (step 0 starts them), which are sent on as they are.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from megaulysses.model.attention import AttentionMask
 from megaulysses.model.block_attention import (attention_block_size, merge, partial_backward,
-                                               partial_forward)
+                                               partial_forward, plain_fused_kernel)
+from megaulysses.model.fused_attention import FusedKernel
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import CP
 
@@ -87,51 +96,50 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask: AttentionMask, comm: Comm, dim: str):
-        C, c, S, block, qi = _setup(q, mask, comm, dim)
-        out = lse = None
+        kernel = plain_fused_kernel(q, k, v, mask)
+        step = _steps(q, mask, comm, dim, kernel)
+        out, lse = None, None
         kv = [k, v]
-        for step in range(C):
-            passing = comm.ring_pass(kv, dim) if step < C - 1 else None
-            kj = zigzag_positions(S, C, (c - step) % C, q.device)
-            o, l = partial_forward(q, kv[0], kv[1], mask, qi, kj, block)  # [b, S/C, h, d] fp32
-            # the first partial becomes the running out, merged into in place
-            out, lse = (o, l) if out is None else merge(out, lse, o, l)
+        for t in range(step.C):
+            passing = comm.ring_pass(kv, dim) if t < step.C - 1 else None
+            rows, o, l = step.forward(t, kv)  # this step's partial, its rows only
+            out, lse = _merge_rows(out, lse, rows, o, l)
             del o, l  # this step's partial: gone before the next one is computed
             if passing is not None:
                 kv = passing.wait()
             del passing
         del kv
         # Saved in q's dtype (fp32: the merged out itself), the very tensor returned: the
-        # fp32 out goes under a half dtype; backward's delta takes its values in fp32.
+        # fp32 out goes under a half dtype (the fused kernels' backward takes q's dtype; the
+        # block kernel's delta takes out's values in fp32).
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.comm, ctx.dim = mask, comm, dim
+        ctx.mask, ctx.comm, ctx.dim, ctx.kernel = mask, comm, dim, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):  # dout [b, S/C, hq, d]
         q, k, v, out, lse = ctx.saved_tensors
-        mask, comm, dim = ctx.mask, ctx.comm, ctx.dim
-        C, c, S, block, qi = _setup(q, mask, comm, dim)
-        dout = dout.float()
-        delta = (dout * out).sum(-1).transpose(1, 2)  # [b, hq, S/C], out's values in fp32
+        mask, comm, dim, kernel = ctx.mask, ctx.comm, ctx.dim, ctx.kernel
+        step = _steps(q, mask, comm, dim, kernel)
+        step.start_backward(dout, out, lse)
         dq = None
         kv, grads = [k, v], None
-        for step in range(C):
-            passing = comm.ring_pass(kv, dim) if step < C - 1 else None
-            kj = zigzag_positions(S, C, (c - step) % C, q.device)
-            # fp32, contiguous: dk_t and dv_t are sent as they are (no copies)
-            dq_t, dk_t, dv_t = partial_backward(q, kv[0], kv[1], out, lse, dout, delta, mask,
-                                                qi, kj, block)
-            dq = dq_t if dq is None else dq.add_(dq_t)
+        for t in range(step.C):
+            passing = comm.ring_pass(kv, dim) if t < step.C - 1 else None
+            rows, dq_t, keys, dk_t, dv_t = step.backward(t, kv)
+            dq = dq_t.float() if dq is None else _add_rows(dq, rows, dq_t)  # step 0: all rows
             del dq_t
-            if grads is not None:  # the accumulator of this step's keys, from the last rank
+            if grads is None:  # step 0: the shares of all the rank's own keys start the sums
+                dk_acc, dv_acc = dk_t.float(), dv_t.float()
+            else:  # the sums for this step's keys, from the last rank: add this rank's share
                 dk_acc, dv_acc = grads.wait()
-                dk_t += dk_acc
-                dv_t += dv_acc
-                del dk_acc, dv_acc
-            grads = comm.ring_pass([dk_t, dv_t], dim)  # after C passes: back at the owner
-            del dk_t, dv_t  # the send holds them until the next step's wait
+                del grads  # its works hold the sums sent last step: they go now
+                _add_rows(dk_acc, keys, dk_t)
+                _add_rows(dv_acc, keys, dv_t)
+            del dk_t, dv_t
+            grads = comm.ring_pass([dk_acc, dv_acc], dim)  # after C passes: back at the owner
+            del dk_acc, dv_acc  # the send holds them until the next step's wait
             if passing is not None:
                 kv = passing.wait()
             del passing
@@ -139,6 +147,110 @@ class _Ring(torch.autograd.Function):
         dk, dv = grads.wait()
         del grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+ALL = slice(None)
+
+
+def _steps(q, mask: AttentionMask, comm: Comm, dim: str, kernel: Optional[FusedKernel]):
+    return (_FusedSteps(q, mask, comm, dim, kernel) if kernel is not None
+            else _BlockSteps(q, mask, comm, dim))
+
+
+def _merge_rows(out, lse, rows: slice, o, l):
+    """Merge a step's partial (o `[b, rows, hq, d]`, l `[b, hq, rows]`) into the running fp32
+    out and lse by their lse, in place; the first partial (all rows) starts them."""
+    o = o.float()  # fp32 partials under a half dtype: the merge stays exact to fp32
+    if out is None:
+        return o, l
+    if rows == ALL:
+        return merge(out, lse, o, l)
+    lse_rows = merge(out[:, rows], lse[:, :, rows], o, l)[1]  # out's rows merged in place
+    lse[:, :, rows] = lse_rows
+    return out, lse
+
+
+def _add_rows(acc: torch.Tensor, rows: slice, x: torch.Tensor) -> torch.Tensor:
+    """acc[:, rows] += x in place (fp32 acc, x in any dtype: cast as it is read); acc."""
+    acc[:, rows].add_(x)
+    return acc
+
+
+def fused_step(causal: bool, c: int, src: int, n: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of ring rank c's step against ring rank src's keys
+    (n = S/(2C) positions per zigzag chunk): the part of the mask that is not empty, one
+    causal square or one full rectangle. Causal:
+        src == c  both chunks against both: causal (positions increase along the rows)
+        src <  c  all queries against src's early chunk, which precedes both of c's: full
+                  (src's late chunk follows both of c's: skipped)
+        src >  c  c's late chunk against both of src's chunks, which precede it: full
+                  (c's early chunk precedes both: its rows get nothing from src)
+    A full mask: everything against everything at every step."""
+    if not causal:
+        return ALL, ALL, False
+    if src == c:
+        return ALL, ALL, True
+    if src < c:
+        return ALL, slice(0, n), False
+    return slice(n, None), ALL, False
+
+
+class _FusedSteps:
+    """Ring steps on a fused kernel (model/fused_attention.py): one call each, the step's
+    rectangle from Python integers alone (no host sync)."""
+
+    def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str, kernel: FusedKernel):
+        self.q, self.kernel, self.causal = q, kernel, mask.causal
+        self.C, self.c = comm.size(dim), comm.rank(dim)
+        self.n, self.scale = q.shape[1] // 2, q.shape[-1] ** -0.5
+
+    def _plan(self, t: int) -> tuple[slice, slice, bool]:
+        return fused_step(self.causal, self.c, (self.c - t) % self.C, self.n)
+
+    def forward(self, t: int, kv):
+        rows, keys, causal = self._plan(t)
+        o, l = self.kernel.forward(self.q[:, rows], kv[0][:, keys], kv[1][:, keys], causal,
+                                   self.scale)  # [b, rows, hq, d] q's dtype, [b, hq, rows]
+        return rows, o, l
+
+    def start_backward(self, dout, out, lse):
+        self.dout, self.out, self.lse = dout.contiguous(), out, lse
+
+    def backward(self, t: int, kv):
+        rows, keys, causal = self._plan(t)
+        dq, dk, dv = self.kernel.backward(
+            self.dout[:, rows], self.q[:, rows], kv[0][:, keys], kv[1][:, keys],
+            self.out[:, rows], self.lse[:, :, rows], causal, self.scale)  # q's dtype
+        return rows, dq, keys, dk, dv
+
+
+class _BlockSteps:
+    """Ring steps on the block kernel (model/block_attention.py): only the blocks the mask
+    reaches, in global positions, for any mask."""
+
+    def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str):
+        self.q, self.mask = q, mask
+        self.C, self.c, self.S, self.block, self.qi = _setup(q, mask, comm, dim)
+
+    def _keys(self, t: int) -> torch.Tensor:
+        return zigzag_positions(self.S, self.C, (self.c - t) % self.C, self.q.device)
+
+    def forward(self, t: int, kv):
+        o, l = partial_forward(self.q, kv[0], kv[1], self.mask, self.qi, self._keys(t),
+                               self.block)  # [b, S/C, hq, d] fp32
+        return ALL, o, l
+
+    def start_backward(self, dout, out, lse):
+        self.dout = dout.float()
+        self.out, self.lse = out, lse
+        self.delta = (self.dout * out).sum(-1).transpose(1, 2)  # [b, hq, S/C], fp32
+
+    def backward(self, t: int, kv):
+        # fp32, contiguous: dk and dv become the accumulators sent on (no copies)
+        dq, dk, dv = partial_backward(self.q, kv[0], kv[1], self.out, self.lse, self.dout,
+                                      self.delta, self.mask, self.qi, self._keys(t),
+                                      self.block)
+        return ALL, dq, ALL, dk, dv
 
 
 def apply_context_parallel(model, comm: Comm, dim: str = CP):

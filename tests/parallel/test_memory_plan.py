@@ -276,22 +276,25 @@ USP_4096 = ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size",
             "--ds-sequence-parallel-size", "2", "--seq-length", "4096", "--mock-data"]
 
 
-@pytest.mark.parametrize("flags,mask,keys", [
-    ([], "mask causal;", 1024),  # a later ring rank's S/C keys
+@pytest.mark.parametrize("flags,mask,core", [
+    # plain causal: every ring step on the fused kernel (model/fused_attention.py)
+    ([], "mask causal;", "ring over cp 4, fused kernel (with lse, one call a step)"),
     # ceil(511/64) + 1 = 9 blocks would reach back into another chunk (512 positions):
     # a ring step's keys of one rank within the window are 8 blocks
-    (["--window-size", "512"], "mask causal + window 512;", 512),
-    (["--attention-sparsity", "bigbird"], "bigbird sparsity", 384),  # 4 local, 1 global, 1 random
+    (["--window-size", "512"], "mask causal + window 512;",
+     "ring over cp 4, block kernel, blocks of 64, <= 512 keys"),
+    (["--attention-sparsity", "bigbird"], "bigbird sparsity",  # 4 local, 1 global, 1 random
+     "ring over cp 4, block kernel, blocks of 64, <= 384 keys"),
 ], ids=["causal", "window", "bigbird"])
-def test_dry_run_of_ulysses_x_ring(capfd, flags, mask, keys):
+def test_dry_run_of_ulysses_x_ring(capfd, flags, mask, core):
     """Ulysses 2 x ring 4 at seq 4096: 512 positions a rank, ZeRO's group dp*cp*sp, the
-    ring's bytes, and the mask in the header and in the attention core's blocks."""
+    ring's bytes, and the mask in the header and in the attention core's kernel."""
     rc, out, err = run_main(USP_4096 + flags, capfd)
     assert rc == 0, err
     assert "world 8 = dp 1 x tp 1 x pp 1 x sp 2 x cp 4;" in out
     assert "over dp*cp*sp = 8;" in out and "seq 4096 (512 tokens a rank)" in out
     assert mask in out, out
-    assert f"ring over cp 4, block kernel, blocks of 64, <= {keys} keys" in out, out
+    assert core in out, out
     assert "micro-batches of 4096 tokens per rank" in out  # micro-batch 8 x 512 positions
     for words in ("all_to_all", "ring", "peak ("):
         assert words in out, out
