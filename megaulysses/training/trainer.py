@@ -503,11 +503,12 @@ class Trainer:
 def attention_backend(cfg: Config, dims: ParallelDims, device: torch.device,
                       dtype: torch.dtype) -> tuple[str, object]:
     """--attention-backend for the model's mask; ConfigError where it cannot run it. Under
-    ring attention (cp > 1) every ring step runs the block kernel whatever is chosen."""
+    ring attention (cp > 1) the ring runs its own kernels whatever is chosen: a fused one
+    for plain causal or full steps (model/fused_attention.py), the block kernel for masks."""
     m = cfg.model
     if dims.cp > 1 and m.attention_backend not in ("auto", "block"):
         raise ConfigError("--attention-backend", f"{m.attention_backend}: ring attention "
-                          "(--context-parallel-size > 1) runs its own block kernel; use auto "
+                          "(--context-parallel-size > 1) runs its own kernels; use auto "
                           "or block")
     try:
         name, core = select_backend(m.attention_backend, device, dtype, mask_from_config(m),
@@ -516,8 +517,9 @@ def attention_backend(cfg: Config, dims: ParallelDims, device: torch.device,
         flag, rule = str(e).split(": ", 1)
         raise ConfigError(flag, rule) from None
     if dims.cp > 1:
-        log.info("attention: ring over cp = %d, each ring step by the block kernel", dims.cp)
-        name = "ring/block"
+        log.info("attention: ring over cp = %d: plain causal or full steps on a fused kernel, "
+                 "masked steps on the block kernel", dims.cp)
+        name = "ring"
     return name, core
 
 
