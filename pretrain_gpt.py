@@ -7,6 +7,7 @@
 import logging
 import os
 import sys
+import traceback
 
 from megaulysses.config import CheckpointError, ConfigError, TrainingError, parse_args
 
@@ -33,12 +34,19 @@ DEFAULT_RUN = ["--global-batch-size", "16", "--min-lr", "2e-4", "--generate", "2
                "--metrics-jsonl", "runs/default/metrics.jsonl"]
 
 
-def _leave_process_group():
+def _in_process_group() -> bool:
     if "torch" not in sys.modules:  # a bad flag stopped us before anything was imported
-        return
+        return False
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    return dist.is_available() and dist.is_initialized()
+
+
+def _leave_process_group():
+    """Destroy every process group, joining their threads before the interpreter shuts
+    down (dims.leave_distributed says why). The caller has dropped the trainer."""
+    if _in_process_group():
+        from megaulysses.parallel.dims import leave_distributed
+        leave_distributed()
 
 
 def _exit_after_lost_rank(e: BaseException, cfg) -> None:
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
         argv = DEFAULT_RUN
         logging.info("no flags: the bundled default run (examples/pretrain_shakespeare_default.sh "
                      "spells out every flag); outputs in runs/default/")
-    cfg = None
+    cfg = trainer = None
     try:
         cfg = parse_args(argv)
         if cfg.memory.dry_run:
@@ -90,8 +98,13 @@ def main(argv=None) -> int:
         from megaulysses.training.faults import is_distributed_failure
         if is_distributed_failure(e):
             _exit_after_lost_rank(e, cfg)
+        if _in_process_group():  # the traceback's frames hold the trainer, whose model
+            # holds process groups: their locals go so that the groups can be destroyed
+            # below (the traceback still prints)
+            traceback.clear_frames(e.__traceback__)
         raise
     finally:
+        trainer = None  # its model and meshes hold the process groups: gone before leaving
         _leave_process_group()
     if text is not None:
         print("---- sample from the trained model ----")

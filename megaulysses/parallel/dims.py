@@ -11,6 +11,9 @@ data-parallel ranks.
 
 from __future__ import annotations
 
+import gc
+import logging
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -26,6 +29,12 @@ from megaulysses.config import Config, ConfigError, ModelConfig
 PP, DP, CP, SP, TP = "pp", "dp", "cp", "sp", "tp"
 DP_SP = "dp_sp"  # dp x cp x sp flattened: the ranks that see different tokens of one model
 MESH_DIMS = (PP, DP, CP, SP, TP)  # slowest- to fastest-varying
+
+log = logging.getLogger(__name__)
+
+# The meshes build_mesh made, weakly: leave_distributed empties their registries of process
+# groups (the groups themselves are torch's to destroy).
+_MESHES: "weakref.WeakSet[DeviceMesh]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,7 @@ class ParallelDims:
             for one in meshes.values():
                 one.get_group().set_timeout(timeout)
         meshes["world"] = mesh
+        _MESHES.update(meshes.values())
         return meshes
 
 
@@ -180,3 +190,37 @@ def init_distributed(device: torch.device,
         bound["device_id"] = local
     dist.init_process_group(backend, timeout=timeout, **bound)
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_distributed() -> None:
+    """Destroy every process group of the job now (the default one, the mesh's, any other):
+    each gloo group's worker threads are joined here, while the interpreter is whole, so
+    none is left running when it shuts down. No-op alone. Call it once nothing holds the
+    model any more (FSDP's states hold their groups).
+
+    `dist.destroy_process_group()` alone drops only torch's own references. The
+    DeviceMesh keeps its groups in a registry (the default group too, where a mesh dim
+    spans every rank), and DTensor's caches keep the mesh, so the groups would die in the
+    interpreter's last garbage collection instead. A gloo worker thread that has finished
+    a collective lets go of it afterwards; when it drops the last reference to a tensor
+    whose Python object the caller has dropped already, it takes the GIL, and if the
+    interpreter is finalizing by then the thread is made to exit inside a noexcept
+    destructor: std::terminate ("terminate called without an active exception"), SIGABRT,
+    after a run that finished (more often on a loaded machine, where that thread waits
+    longer for a core). Destroyed here, the group's destructor waits for that thread
+    (with the GIL released) before the interpreter finalizes."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = [weakref.ref(g) for g in getattr(world, "pg_map", {})]
+    for mesh in list(_MESHES):
+        registry = getattr(mesh, "_pg_registry", None)
+        if registry is not None:
+            registry.clear()
+    _MESHES.clear()
+    gc.collect()  # the model's and FSDP's reference cycles hold groups too
+    dist.destroy_process_group()  # the last references: each group is destroyed here
+    alive = sum(g() is not None for g in groups)
+    if alive:
+        log.warning("%d process group(s) still referenced after leaving: their threads "
+                    "outlive the run and may abort the exit", alive)
