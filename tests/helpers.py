@@ -67,3 +67,20 @@ def wait_all(procs, timeout=300) -> list[int]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def host_syncs():
+    """A dispatch mode counting (`.n`) the ops that make a host wait for the device:
+    reading a value (`.item()`, `int(t)`, `bool(t)`: _local_scalar_dense) and
+    data-dependent shapes (nonzero)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostSyncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero")
+            return func(*args, **(kwargs or {}))
+    return HostSyncs()

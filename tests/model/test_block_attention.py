@@ -11,7 +11,8 @@ dv 1.3e-2 over 20 seeds x MHA/GQA/MQA x s 64, 256 x causal/full; its ring decomp
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import host_syncs
 
 import megaulysses.model.block_attention as ba
 from megaulysses.model import fused_attention
@@ -358,23 +359,10 @@ def test_plain_masks_take_the_fused_kernel_others_the_blocks():
         assert_close(g, w)
 
 
-class _HostSyncs(TorchDispatchMode):
-    """Counts the ops that make a host wait for the device: reading a value (`.item()`,
-    `int(t)`, `bool(t)`: _local_scalar_dense) and data-dependent shapes (nonzero)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero")
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_fused_path_makes_no_host_sync():
     q, k, v, dout = qkv(1, 128, 2, 1, d=8)
     for mask, fused in ((AttentionMask(), True), (AttentionMask(window=16), False)):
-        with _HostSyncs() as syncs:
+        with host_syncs() as syncs:
             grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
         assert (syncs.n == 0) == fused, (mask, syncs.n)  # the blocks' plan reads the mask
 

@@ -8,9 +8,9 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist import run_ranks
+from helpers import host_syncs
 
 B, S, D = 2, 64, 8
 FP32_TOL = 1e-5  # relative to the largest entry
@@ -64,7 +64,7 @@ def usp_vs_reference(rank, world, sp, cp):
         planned = sp == 1 and name == "causal"  # its working set against the plan's
         comm.stats.pop()
         fused_attention.CALLS.clear()
-        syncs = _HostSyncs()  # watched for the fused masks only (the blocks' plan syncs)
+        syncs = host_syncs()  # watched for the fused masks only (the blocks' plan syncs)
         with syncs if name in FUSED else contextlib.nullcontext():
             with LiveBytes() if planned else contextlib.nullcontext() as fwd_mem:
                 y = core(*local, 0.0, mask)
@@ -90,19 +90,6 @@ def usp_vs_reference(rank, world, sp, cp):
                                      bwd_mem.peak) if planned else None,
                         planned=_planned(hq, hkv, e, cp, comm.rank(CP)) if planned else None))
     return out
-
-
-class _HostSyncs(TorchDispatchMode):
-    """Counts the ops that make a host wait for the device: reading a value (`.item()`,
-    `int(t)`, `bool(t)`: _local_scalar_dense) and data-dependent shapes (nonzero)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero")
-        return func(*args, **(kwargs or {}))
 
 
 def _planned(hq: int, hkv: int, e: int, cp: int, cp_rank: int) -> tuple[int, int]:
