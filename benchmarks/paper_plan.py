@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from megaulysses.config import parse_args  # noqa: E402
 from megaulysses.data.build import load_tokenizer  # noqa: E402
-from megaulysses.planner.hardware import RESERVE_GIB, gpu_spec  # noqa: E402
+from megaulysses.hardware import RESERVE_GIB, gpu_spec  # noqa: E402
 from megaulysses.planner.search import Grid, evaluate, search  # noqa: E402
 
 GIB = 2 ** 30

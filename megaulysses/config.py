@@ -625,8 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _gpu_name(text: str) -> str:
-    """argparse type: a GPU of the planner's table (megaulysses/planner/hardware.py)."""
-    from megaulysses.planner.hardware import UnknownGPU, gpu_spec
+    """argparse type: a GPU of the planner's table (megaulysses/hardware.py)."""
+    from megaulysses.hardware import UnknownGPU, gpu_spec
     try:
         return gpu_spec(text).name
     except UnknownGPU as e:

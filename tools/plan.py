@@ -52,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def planner_parser() -> argparse.ArgumentParser:
-    from megaulysses.planner.hardware import GPUS, RESERVE_GIB
+    from megaulysses.hardware import GPUS, RESERVE_GIB
     p = _Parser(description="Predict memory and speed of every grid; print the fastest "
                 "that fit. Other flags are pretrain_gpt.py's.", add_help=True)
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 def plan(argv: list):
     """(SearchResult, the run's Config, the fixed grid fields), or raises PlanError."""
     from megaulysses.data.build import load_tokenizer
-    from megaulysses.planner.hardware import OVERRIDABLE, UnknownGPU, gpu_spec
+    from megaulysses.hardware import OVERRIDABLE, UnknownGPU, gpu_spec
     from megaulysses.planner.search import search
     args, rest = planner_parser().parse_known_args(argv)
     if args.gpus <= 0 or args.top <= 0:

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 from megaulysses.config import Config, ConfigError, validate
 from megaulysses.parallel.dims import ParallelDims
-from megaulysses.planner.hardware import GPU, RESERVE_GIB
+from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.planner.time_model import Prediction, predict
 
 LEVELS = (("none", 1), ("selective", 1), ("full", 1), ("full", 4))  # (recompute, MLP tiles)

@@ -41,7 +41,7 @@ from megaulysses.config import Config
 from megaulysses.model.attention import mask_from_config
 from megaulysses.parallel.dims import CP, DP, DP_SP, PP, SP, TP, ParallelDims
 from megaulysses.parallel.memory_plan import MemoryPlan, plan_memory
-from megaulysses.planner.hardware import GPU, RESERVE_GIB
+from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.training.metrics import flops_per_iteration
 
 GIB = 2 ** 30

@@ -49,7 +49,7 @@ def dry_run(cfg: Config) -> int:
 
 def _check_fits(plans: list, gpu_name: str, speak: bool = True):
     """Every stage's peak within the GPU's memory less the planner's reserve."""
-    from megaulysses.planner.hardware import RESERVE_GIB, gpu_spec
+    from megaulysses.hardware import RESERVE_GIB, gpu_spec
     gpu = gpu_spec(gpu_name)
     usable = (gpu.memory_gib - RESERVE_GIB) * 2 ** 30
     worst = max(plans, key=lambda p: p.peak_bytes)

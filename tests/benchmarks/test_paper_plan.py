@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def test_script_configs_and_one_comparison():
     import paper_plan
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     configs = paper_plan.script_configs("fig8_convergence_1p3b.sh")
     assert [gpus for _, gpus, _ in configs] == [8, 8, 8, 8]
     for name, _, flags in configs:

@@ -172,7 +172,7 @@ def test_planner_predicts_the_measured_grids(measured):
     stage's rank 0 sent, exactly."""
     from megaulysses.config import parse_args
     from megaulysses.data.build import load_tokenizer
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import Grid, evaluate
     checked = 0
     for world, grids in GRIDS.items():

@@ -37,7 +37,7 @@ def base_config(extra=()):
 
 
 def test_search_ranks_fitting_grids_fastest_first_and_says_why_others_fail():
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import search
     result = search(base_config(), 16, gpu_spec("A100-40GB"))
     times = [c.prediction.time_s for c in result.ranked]
@@ -55,7 +55,7 @@ def test_search_ranks_fitting_grids_fastest_first_and_says_why_others_fail():
 
 
 def test_fixed_flags_hold_the_grid():
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import search
     fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "recompute": "full", "tiles": 1}
     result = search(base_config(), 16, gpu_spec("A100-80GB"), fixed)
@@ -70,7 +70,7 @@ def test_time_parts_add_up_and_links_follow_the_mesh():
     """Compute from hardware FLOPs at the table's efficiency; one node: every group on
     NVLink; 4 nodes: sp 8 stays in a node, dp x sp crosses InfiniBand."""
     from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import Grid, configure
     from megaulysses.planner.time_model import comm_seconds, link_of, predict
     gpu = gpu_spec("A100-80GB")
@@ -100,7 +100,7 @@ def test_time_parts_add_up_and_links_follow_the_mesh():
 def test_ring_attention_runs_at_the_ring_kernel_speed():
     import dataclasses
     from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.planner.hardware import gpu_spec
+    from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import Grid, configure
     from megaulysses.planner.time_model import predict
     gpu = gpu_spec("H100")
