@@ -80,10 +80,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import launch, max_per_kind, table  # noqa: E402
 
-from megaulysses.model.attention import (AttentionMask, SparseLayout, block_attention,  # noqa: E402
-                                         cpu_attention, math_attention, sdpa_attention)
-from megaulysses.model.block_attention import (attention_block_size, computed_pairs,  # noqa: E402
-                                               masked_block_attention)
+from megaulysses.model.attention import (AttentionMask, SparseLayout,  # noqa: E402
+                                         attention_block_size, block_attention, computed_pairs,
+                                         cpu_attention, masked_block_attention, math_attention,
+                                         sdpa_attention)
 from megaulysses.parallel.comm import Comm  # noqa: E402
 from megaulysses.parallel.dims import CP, SP, ParallelDims  # noqa: E402
 from megaulysses.parallel.ring import (RingAttention, local_positions,  # noqa: E402

@@ -38,7 +38,7 @@ not a cluster's speed) at one common length, --throughput-seq (default: the shor
 the longest lengths, so every setup fits): tokens/s = tokens of a step / median step time.
 
 "Untiled loss" patches the fused cross entropy's chunk size to all rows
-(`fused._rows_per_chunk`, and the plan's `CE_BUDGET` alike): it then keeps the whole
+(`ops.cross_entropy._rows_per_chunk`, and the plan's `CE_BUDGET` alike): it then keeps the whole
 [tokens, V/tp] block of exps for backward, as Megatron's loss does.
 """
 
@@ -148,16 +148,16 @@ def parse_args(argv=None):
 def loss_chunks(untiled: bool):
     """All rows in one kept chunk (Megatron's loss) when `untiled`, for the fused cross
     entropy and for the plan's model of it."""
-    from megaulysses.model import fused
+    from megaulysses.model.ops import cross_entropy
     from megaulysses.parallel import memory_plan
-    rows, budget = fused._rows_per_chunk, dict(memory_plan.CE_BUDGET)
+    rows, budget = cross_entropy._rows_per_chunk, dict(memory_plan.CE_BUDGET)
     if untiled:
-        fused._rows_per_chunk = lambda n, *_: n
+        cross_entropy._rows_per_chunk = lambda n, *_: n
         memory_plan.CE_BUDGET.update({k: 2 ** 62 for k in budget})
     try:
         yield
     finally:
-        fused._rows_per_chunk = rows
+        cross_entropy._rows_per_chunk = rows
         memory_plan.CE_BUDGET.update(budget)
 
 

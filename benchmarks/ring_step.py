@@ -12,9 +12,9 @@ ring's backward is):
     full     a later step, ring rank 1 of 2 against rank 0's keys: s queries x the s/2
              keys of rank 0's early chunk, all attended
 on the two kernels parallel/ring.py chooses between:
-    fused    model/fused_attention.py (`fused_kernel`): one call each way (on CPU torch's
+    fused    model/attention/fused.py (`fused_kernel`): one call each way (on CPU torch's
              `_scaled_dot_product_flash_attention_for_cpu` and its backward)
-    block    model/block_attention.py's `partial_forward` / `partial_backward` over the
+    block    model/attention/block.py's `partial_forward` / `partial_backward` over the
              step's zigzag positions (blocks of 64), what the ring runs for other masks
 Part 2, two gloo ranks (--ring-seq, S = 2 s; one torch thread each): the whole ring
 attention, `RingAttention` over cp = 2, forward + backward, fused vs the block kernel
@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import launch, table  # noqa: E402
 
 from megaulysses.model.attention import AttentionMask  # noqa: E402
-from megaulysses.model.block_attention import partial_backward, partial_forward  # noqa: E402
-from megaulysses.model.fused_attention import fused_kernel  # noqa: E402
+from megaulysses.model.attention.block import partial_backward, partial_forward  # noqa: E402
+from megaulysses.model.attention.fused import fused_kernel  # noqa: E402
 from megaulysses.parallel.ring import fused_step, zigzag_positions  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

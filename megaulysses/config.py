@@ -24,7 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED_DATA = os.path.join(REPO_ROOT, "data", "shakespeare_text_document")
 BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 
-# The attention backends: model/attention.py BACKENDS (imported lazily: no torch here).
+# The attention backends: model/attention/backends.py BACKENDS (imported lazily: no torch here).
 ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
 ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")

@@ -15,7 +15,7 @@ GPT runs reach ~52% of peak end to end, communication and bubble included), 0.5 
 H100/H200 (GEMMs 65-75% of 989, FlashAttention-2 35-50% without Hopper-specific kernels).
 
 `ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
-kernel (model/block_attention.py), not flash attention; on CPU it is 1.7x slower than
+kernel (model/attention/block.py), not flash attention; on CPU it is 1.7x slower than
 torch's SDPA (docs/attention_grid.md). On a GPU it is unmeasured: 0.5 is a guess, to be
 replaced by a measurement (or by a flash-attn ring step, which would make it 1).
 """

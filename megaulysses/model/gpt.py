@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
-from megaulysses.model.fused import linear, linear_cross_entropy
+from megaulysses.model.ops import linear, linear_cross_entropy
 from megaulysses.model.layers import (MLP, EmbeddingTable, Linear, apply_rotary, build_norm,
                                       rotary_angles)
 

@@ -6,11 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megaulysses.model.fused import linear, rms_norm
+from megaulysses.model.ops import linear, rms_norm
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose matmuls use `fused.linear`: oneDNN for
+    """nn.Linear (same parameters and names) whose matmuls use `ops.linear`: oneDNN for
     fp32 on CPU, where it is ~2x faster than the default MKL path on AMD CPUs."""
 
     def forward(self, x):

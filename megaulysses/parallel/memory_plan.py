@@ -3,7 +3,7 @@
 `plan_memory(cfg, dims, pp_rank)` is arithmetic: no tensor is allocated and no process
 group is needed (the GPT is built on the meta device to list the stage's parameters). It
 describes *this* implementation: what autograd saves in model/gpt.py, layers.py and
-fused.py, what ZeRO (zero.py, comm.GradReducer, FSDP2) and torch's pipeline schedules
+ops/ and attention/, what ZeRO (zero.py, comm.GradReducer, FSDP2) and torch's pipeline schedules
 hold, and when. `pretrain_gpt.py --dry-run` prints it for every stage, the trainer logs
 it at start-up, and tests/parallel/test_memory_plan.py holds it to within 10% of the live
 tensor bytes real ranks reach (and its communication bytes to what they send).
@@ -27,10 +27,10 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  ~S*(S+64)/2, core heads hq/sp; SDPA / flash: q, k, v, out, e*T*(2hq +
                  2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout (its
                  math path): q, k, v + three fp32 S*S per head (probabilities, mask,
-                 dropped); the block kernel of model/block_attention.py (any mask but plain
+                 dropped); the block kernel of model/attention/block.py (any mask but plain
                  causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
                  lse -- no probabilities (plain causal there runs the fused kernel of
-                 model/fused_attention.py, which keeps the same, as SDPA); the ring (cp > 1,
+                 model/attention/fused.py, which keeps the same, as SDPA); the ring (cp > 1,
                  parallel/ring.py, inside Ulysses) the same (its output merged in fp32,
                  saved in q's dtype), on either kernel;
                  selective: only the core's inputs (the checkpoint), e*T*(hq +
@@ -200,8 +200,8 @@ MIB = 2 ** 20
 F32 = 4
 BUCKET_BYTES = 25 * 2 ** 20  # comm.GradReducer's default bucket
 CPU_BLOCK_MAX_SEQ = 1024  # model.attention.cpu_attention's limit for the block kernel
-BLOCK_ROWS = 64  # fused.block_causal_attention's query block
-CE_BUDGET = {"cpu": 2 ** 23, "cuda": 2 ** 28}  # fused._rows_per_chunk: elements of logits
+BLOCK_ROWS = 64  # attention.block_causal.block_causal_attention's query block
+CE_BUDGET = {"cpu": 2 ** 23, "cuda": 2 ** 28}  # ops.cross_entropy._rows_per_chunk: logit elements
 BATCH_BYTES_PER_TOKEN = 3 * 8 + 4  # tokens, labels, positions (int64), loss mask (fp32)
 DOCUMENT_ID_BYTES = 4  # the batch's documents: int32 ids of the whole sample, every rank
 LAYOUT_GRID_MAX = 4096  # sparse layouts of more blocks: a bound instead of the grid
@@ -459,7 +459,7 @@ def _masked(cfg: Config) -> bool:
 
 
 def _fused(cfg: Config, device_type: str) -> bool:
-    """A plain causal mask that model/fused_attention.py has a kernel for: CPU (fp32,
+    """A plain causal mask that model/attention/fused.py has a kernel for: CPU (fp32,
     16-bit), CUDA with head dim a multiple of 8 up to 256."""
     d = cfg.model.head_dim
     return not _masked(cfg) and (device_type == "cpu" or (d % 8 == 0 and d <= 256))
@@ -476,7 +476,7 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
         return "fused"  # the block backend's fused kernel: q, k, v, out, lse, as SDPA
     if m.attention_backend == "block" or (device_type == "cpu" and _masked(cfg)
                                           and m.attention_backend == "auto"):
-        return "masked"  # model/block_attention.py: masked_block_attention
+        return "masked"  # model/attention/block.py: masked_block_attention
     if m.attention_backend in ("flash", "flex"):
         return "sdpa"  # both keep q, k, v, out and the logsumexp
     if (device_type == "cpu" and m.attention_backend == "auto" and not half
@@ -489,7 +489,7 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
 
 def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
     """(block, keys, keys_later, keys_arriving) of the block kernel
-    (model/block_attention.py): its block of positions (ring: over the S/(2C) positions of a
+    (model/attention/block.py): its block of positions (ring: over the S/(2C) positions of a
     zigzag chunk) and the most keys one query block attends in one call, by the static
     mask: over the whole sequence; the ring's first step (the rank's own S/C keys), its
     later steps (another rank's: ring rank c's late chunk attends all S/C of a later rank,
@@ -497,7 +497,7 @@ def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
     the next step's keys arrive (all but the last; 0 where none, C = 2). Sparse layouts:
     bounded by their most attended blocks."""
     from megaulysses.model.attention import mask_from_config
-    from megaulysses.model.block_attention import attention_block_size
+    from megaulysses.model.attention.block import attention_block_size
     S = m.seq_length
     layout = mask_from_config(m).layout
     layout_block = layout.block if layout is not None else None
@@ -879,7 +879,7 @@ def _core_backward(s: _Shape) -> int:
 
 
 def _masked_backward(s: _Shape) -> int:
-    """model/block_attention.py's partial_backward over the whole sequence (measured): dout;
+    """model/attention/block.py's partial_backward over the whole sequence (measured): dout;
     q grouped and scaled, k, v grouped (copies); dout grouped (a copy with GQA); fp32 dq,
     dk, dv; one query block's P and dS (`_Shape.scores`); row statistics and masks."""
     e = s.e

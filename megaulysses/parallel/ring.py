@@ -10,11 +10,11 @@ then runs over the C ranks that hold the same heads.
 Forward: C steps. At step t rank c holds the keys/values of ring rank (c - t) mod C, passes
 them on to c + 1 while it computes its queries against them, and merges the partial results
 by their log-sum-exp (online softmax, `merge`, exact to fp32 rounding). A step runs on
-  - a fused kernel with lse (model/fused_attention.py: flash-attn or torch's fused SDPA ops)
+  - a fused kernel with lse (model/attention/fused.py: flash-attn or torch's fused SDPA ops)
     when the mask is plain causal or full: under the zigzag every causal step is then one
     causal square (its own keys) or one full rectangle (`fused_step`), one kernel call,
     chosen from Python integers (no host sync);
-  - else the block kernel (model/block_attention.py: only the blocks the mask reaches, in
+  - else the block kernel (model/attention/block.py: only the blocks the mask reaches, in
     global positions, so windows, documents and sparse layouts skip whole blocks here too).
 Backward is the flash-attention decomposition over the same steps (each kernel's backward
 given the final out and lse returns its key set's share): each step's key/value gradients
@@ -38,9 +38,9 @@ from typing import Optional
 import torch
 
 from megaulysses.model.attention import AttentionMask
-from megaulysses.model.block_attention import (attention_block_size, merge, partial_backward,
+from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
                                                partial_forward, plain_fused_kernel)
-from megaulysses.model.fused_attention import FusedKernel
+from megaulysses.model.attention.fused import FusedKernel
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import CP
 
@@ -196,7 +196,7 @@ def fused_step(causal: bool, c: int, src: int, n: int) -> tuple[slice, slice, bo
 
 
 class _FusedSteps:
-    """Ring steps on a fused kernel (model/fused_attention.py): one call each, the step's
+    """Ring steps on a fused kernel (model/attention/fused.py): one call each, the step's
     rectangle from Python integers alone (no host sync)."""
 
     def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str, kernel: FusedKernel):
@@ -225,7 +225,7 @@ class _FusedSteps:
 
 
 class _BlockSteps:
-    """Ring steps on the block kernel (model/block_attention.py): only the blocks the mask
+    """Ring steps on the block kernel (model/attention/block.py): only the blocks the mask
     reaches, in global positions, for any mask."""
 
     def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str):

@@ -1,12 +1,14 @@
-"""Tensor parallelism for the GPT with DTensor: the plan, and the vocab-parallel head.
+"""Tensor parallelism for the GPT with DTensor: the plan, the vocab-parallel head and its
+loss.
 
 Per block: q, k, v, fc1 (and gate) are column-parallel (each rank computes its heads or its
 slice of the MLP), out and fc2 row-parallel (partial sums, all-reduced). The embedding is
 vocab-parallel (rows split; each rank looks up its own ids, the sum is all-reduced). The
-output layer is vocab-parallel too, and its loss is
-`fused.vocab_parallel_linear_cross_entropy`: by chunks of tokens, recomputed in backward, so
-no rank ever holds full-vocabulary logits, nor more than one chunk of its own
-`[tokens, V/tp]` logits or their gradient.
+output layer is vocab-parallel too, and its loss is `vocab_parallel_linear_cross_entropy`
+(here): the chunked cross entropy of model/ops/cross_entropy.py (by chunks of tokens,
+recomputed in backward) with its cross-rank reductions (`_VocabShard`) as all-reduces over
+the tp group, so no rank ever holds full-vocabulary logits, nor more than one chunk of its
+own `[tokens, V/tp]` logits or their gradient.
 
 `sequence_parallel=True` is Megatron's sequence parallelism inside the tp group (the
 paper's baseline): between blocks the residual stream is split along the sequence
@@ -20,6 +22,7 @@ The model itself is unchanged: parameters become DTensors, `model.head` is swapp
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,8 +33,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from megaulysses.model.fused import vocab_parallel_linear_cross_entropy
 from megaulysses.model.layers import compute_weight
+from megaulysses.model.ops.cross_entropy import apply_linear_cross_entropy, autocast_operands
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import TP
 
@@ -148,6 +151,55 @@ class VocabParallelHead(nn.Module):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ---- the vocab-parallel loss ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """The output layer is split by vocabulary rows over the `dim` group of `comm`: this
+    rank holds rows [start, start + V/P). The cross-rank reductions of the chunked cross
+    entropy (model/ops/cross_entropy.py's `VocabShard` hooks) as all-reduces over that group.
+    `reduce_dx`: all-reduce the input gradient (the sum of every shard's part) inside;
+    False when the caller's all-gather of the input reduces it in its own backward."""
+
+    comm: Comm
+    dim: str
+    start: int
+    reduce_dx: bool
+
+    def reduce_max(self, x: torch.Tensor) -> None:
+        self.comm.all_reduce_max(x, self.dim)
+
+    def reduce_sum(self, x: torch.Tensor) -> None:
+        self.comm.all_reduce_sum(x, self.dim)
+
+    def reduce_input_grad(self, dx: torch.Tensor) -> None:
+        if self.reduce_dx:
+            self.comm.all_reduce_sum(dx, self.dim)
+
+
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
+                                        labels: torch.Tensor, comm: Comm, dim: str,
+                                        gather_dim: Optional[int] = None,
+                                        ignore_index: int = -100) -> torch.Tensor:
+    """`linear_cross_entropy` with the output layer split by vocabulary over the `dim`
+    group of `comm` (a `parallel.comm.Comm`): no rank holds more than one chunk of
+    `[tokens, V/P]` logits.
+
+    weight `[V/P, h]`: rank r's rows [r V/P, (r+1) V/P) (a Shard(0) DTensor's local part).
+    x `[..., h]`: the same on every rank of the group; or, with `gather_dim`, this rank's
+    shard of it along `gather_dim` (Megatron-SP: its sequence slice), all-gathered here
+    (whose backward reduce-scatters the input gradient). labels `[...]`: those of the whole
+    (gathered) x. Returns fp32 losses `[...]`, equal on every rank of the group.
+    """
+    x, weight = autocast_operands(x, weight)  # before the gather: 16-bit on the wire
+    if gather_dim is not None:
+        x = comm.all_gather(x, dim, gather_dim)
+    shard = _VocabShard(comm, dim, comm.rank(dim) * weight.shape[0],
+                        reduce_dx=gather_dim is None)
+    return apply_linear_cross_entropy(x, weight, labels, ignore_index, shard)
 
 
 def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: int) -> dict:

@@ -4,7 +4,7 @@ Each of the P ranks of the "sp" mesh dim holds a slice of the sequence. Before a
 an all-to-all trades the sequence slice for a slice of the heads, so each rank attends
 over the whole sequence for h/P heads with the unchanged core; a second all-to-all trades
 back. Rotary embedding was applied before, with global positions, so nothing here knows
-about positions; the attention mask (model/attention.py) is stated over the whole sequence,
+about positions; the attention mask (model/attention/) is stated over the whole sequence,
 which is what each rank holds after the first all-to-all, so it passes through unchanged.
 Under Ulysses x Ring (parallel/ring.py) the core is the ring, and "the whole sequence" is
 the ring rank's two zigzag chunks, which the ring knows the positions of.

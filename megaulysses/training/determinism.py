@@ -41,7 +41,7 @@ def configure(enabled: bool, device: torch.device) -> str:
         return "deterministic: off (CUDA results may differ in their last bits from run " \
                "to run; --deterministic makes them bit-identical)"
     # Ops with a deterministic kernel take it (index_add_, scatter_add_, SDPA's flash and
-    # memory-efficient backward; flash-attn's where attention.py asks torch); ops without
+    # memory-efficient backward; flash-attn's where model/attention/ asks torch); ops without
     # one raise instead of drifting silently. torch.compile (flex attention) stops
     # autotuning.
     torch.use_deterministic_algorithms(True, warn_only=False)

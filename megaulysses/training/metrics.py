@@ -14,7 +14,7 @@ import torch
 
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import mask_from_config
-from megaulysses.model.fused import linear
+from megaulysses.model.ops import linear
 from megaulysses.training.precision import tf32_active
 
 log = logging.getLogger(__name__)

@@ -504,7 +504,7 @@ def attention_backend(cfg: Config, dims: ParallelDims, device: torch.device,
                       dtype: torch.dtype) -> tuple[str, object]:
     """--attention-backend for the model's mask; ConfigError where it cannot run it. Under
     ring attention (cp > 1) the ring runs its own kernels whatever is chosen: a fused one
-    for plain causal or full steps (model/fused_attention.py), the block kernel for masks."""
+    for plain causal or full steps (model/attention/fused.py), the block kernel for masks."""
     m = cfg.model
     if dims.cp > 1 and m.attention_backend not in ("auto", "block"):
         raise ConfigError("--attention-backend", f"{m.attention_backend}: ring attention "

@@ -73,7 +73,7 @@ def ieee_fp32():
 @needs_cuda
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_block_kernel_matches_math_on_cuda_fp32(mask, ieee_fp32):
-    from megaulysses.model.block_attention import masked_block_attention
+    from megaulysses.model.attention import masked_block_attention
     # fp32 matmuls everywhere (no TF32): the two differ only by summation order
     _against_math(masked_block_attention, MASKS[mask], torch.float32, atol=1e-4, rtol=1e-4)
 

@@ -130,7 +130,7 @@ def test_flex_block_mask_never_makes_an_s_by_s_tensor(mask):
     """s = 4096: torch's create_block_mask (eager) makes a [b, 1, s, s] bool (plus its
     int64 sum); ours holds tiles and position ranges: b * s ids at most with documents,
     (s / layout block)^2 layout blocks with a layout finer than a tile."""
-    from megaulysses.model.attention import _build_flex_block_mask
+    from megaulysses.model.attention.kernels import _build_flex_block_mask
     s = 4096
     with _LargestTensor() as seen:
         _build_flex_block_mask(mask, s, torch.device("cpu"))
@@ -158,16 +158,16 @@ def test_flex_block_mask_built_once_per_batch(monkeypatch, recompute):
     do not matter, only how often the block mask is built)."""
     import torch.nn.functional as F
     from megaulysses.config import ModelConfig
-    from megaulysses.model import attention
+    from megaulysses.model.attention import kernels
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.recompute import apply_recompute
-    monkeypatch.setattr(attention, "_compiled_flex", lambda: lambda q, k, v, block_mask,
+    monkeypatch.setattr(kernels, "_compiled_flex", lambda: lambda q, k, v, block_mask,
                         enable_gqa: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                    enable_gqa=enable_gqa))
-    builds = _count_calls(monkeypatch, attention, "_build_flex_block_mask")
+    builds = _count_calls(monkeypatch, kernels, "_build_flex_block_mask")
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=256,
                       vocab_size=64)
-    model = apply_recompute(build_model(cfg, attention.flex_attention, 0), recompute)
+    model = apply_recompute(build_model(cfg, kernels.flex_attention, 0), recompute)
     tokens = torch.randint(0, 64, (2, 256))
     for batch in range(1, 3):
         docs = torch.arange(256).div(40 + batch, rounding_mode="floor").expand(2, 256)
@@ -177,12 +177,12 @@ def test_flex_block_mask_built_once_per_batch(monkeypatch, recompute):
 
 def test_flex_static_block_mask_built_once_per_run(monkeypatch):
     """Without documents the block mask depends on the length only: one for all batches."""
-    from megaulysses.model import attention
-    attention._static_flex_block_mask.cache_clear()
-    builds = _count_calls(monkeypatch, attention, "_build_flex_block_mask")
+    from megaulysses.model.attention import kernels
+    kernels._static_flex_block_mask.cache_clear()
+    builds = _count_calls(monkeypatch, kernels, "_build_flex_block_mask")
     for _ in range(3):  # three batches' masks: new objects, the same rule
-        first = attention.flex_block_mask(AttentionMask(window=24), 256, "cpu")
-    assert len(builds) == 1 and first is attention.flex_block_mask(WINDOW, 256, "cpu")
+        first = kernels.flex_block_mask(AttentionMask(window=24), 256, "cpu")
+    assert len(builds) == 1 and first is kernels.flex_block_mask(WINDOW, 256, "cpu")
 
 
 # -- flash-attn's varlen arguments: once per batch, no host sync per layer --------------------
@@ -247,28 +247,28 @@ def test_flash_varlen_layers_make_no_host_sync(monkeypatch):
     """The flash core with packed documents, flash_attn's functions faked (it needs CUDA):
     cu_seqlens and max_seqlen are made once, by the first layer; the next layers pass the
     same values on and make no host sync."""
-    from megaulysses.model import attention
+    from megaulysses.model.attention import kernels
     received = []
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # [b * s, h, d] -> [b * s, h, d]
         received.append((cu_q, cu_k, max_q, max_k))
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(attention, "_flash_attn_funcs", lambda: (None, varlen))
-    builds = _count_calls(monkeypatch, attention, "document_cu_seqlens")
+    monkeypatch.setattr(kernels, "_flash_attn_funcs", lambda: (None, varlen))
+    builds = _count_calls(monkeypatch, kernels, "document_cu_seqlens")
     docs = torch.tensor([[0] * 9 + [1] * 30 + [2] * 25, [0] * 40 + [1] + [2] * 23])
     mask = AttentionMask(documents=docs)
     q = torch.randn(2, 64, 4, 8)
     k = v = torch.randn(2, 64, 2, 8)
-    attention.flash_attention(q, k, v, 0.0, mask)  # the first layer builds them
+    kernels.flash_attention(q, k, v, 0.0, mask)  # the first layer builds them
     with _HostSyncs() as syncs:
         for _ in range(3):
-            attention.flash_attention(q, k, v, 0.0, mask)
+            kernels.flash_attention(q, k, v, 0.0, mask)
     assert syncs.seen == [] and len(builds) == 1
     assert all(r[0] is received[0][0] and r[1] is r[0] for r in received)
     assert received[0][0].tolist() == [0, 9, 39, 64, 104, 105, 128] and received[0][2] == 40
     with _HostSyncs() as building:  # the spy sees what building them costs
-        attention.document_cu_seqlens(docs)
+        kernels.document_cu_seqlens(docs)
     assert "nonzero" in building.seen and "_local_scalar_dense" in building.seen
 
 
@@ -290,11 +290,11 @@ def test_sdpa_repeats_kv_where_cuda_would_fall_to_math(device, dtype, hq, hkv, d
 
 
 def test_sdpa_with_repeated_kv_equals_enable_gqa(monkeypatch):
-    from megaulysses.model import attention
+    from megaulysses.model.attention import kernels
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 64, 8, 16, generator=g)
     k, v = (torch.randn(2, 64, 2, 16, generator=g) for _ in range(2))
-    native = attention.sdpa_attention(q, k, v)
-    monkeypatch.setattr(attention, "sdpa_repeats_kv", lambda *a: True)
-    torch.testing.assert_close(attention.sdpa_attention(q, k, v), native, rtol=1e-5, atol=1e-6)
+    native = kernels.sdpa_attention(q, k, v)
+    monkeypatch.setattr(kernels, "sdpa_repeats_kv", lambda *a: True)
+    torch.testing.assert_close(kernels.sdpa_attention(q, k, v), native, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(native, math_attention(q, k, v), rtol=1e-4, atol=1e-5)

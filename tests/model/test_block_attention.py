@@ -1,9 +1,9 @@
-"""The block attention backend (model/block_attention.py) against math_attention, forward and
+"""The block attention backend (model/attention/block.py) against math_attention, forward and
 backward, for every kind of mask; its partials composed as the ring composes them.
 
 Tolerance: fp32 results agree to 1e-5 relative to the largest magnitude of the reference
 (the kernels reorder sums, never approximate); bf16 to 3e-2. The fused kernel with lse
-(model/fused_attention.py, which plain causal and full masks take) is held to the same:
+(model/attention/fused.py, which plain causal and full masks take) is held to the same:
 bf16 against an fp32 reference measured at most 1.5e-2 (out 3.9e-3, dq 1.1e-2, dk 1.5e-2,
 dv 1.3e-2 over 20 seeds x MHA/GQA/MQA x s 64, 256 x causal/full; its ring decomposition
 8.7e-3 over 5 seeds).
@@ -14,13 +14,13 @@ import torch
 
 from helpers import host_syncs
 
-import megaulysses.model.block_attention as ba
-from megaulysses.model import fused_attention
 from megaulysses.model.attention import AttentionMask, SparseLayout, math_attention
-from megaulysses.model.block_attention import (attention_block_size, computed_pairs,
+from megaulysses.model.attention import block as ba
+from megaulysses.model.attention import fused as fused_attention
+from megaulysses.model.attention.block import (attention_block_size, computed_pairs,
                                                masked_block_attention, merge,
                                                partial_backward, partial_forward)
-from megaulysses.model.fused_attention import fused_kernel
+from megaulysses.model.attention.fused import fused_kernel
 from megaulysses.parallel.ring import fused_step
 
 FP32_TOL = 1e-5
@@ -253,7 +253,7 @@ def test_computed_pairs_per_sample_documents():
     assert n == per_sample < 2 * 10  # less than causal's 10 pairs per sample
 
 
-# ---- the fused kernel with lse (model/fused_attention.py) ---------------------------------
+# ---- the fused kernel with lse (model/attention/fused.py) ---------------------------------
 
 
 def explicit_step(q, k, v, causal, dout):

@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import megaulysses.model.fused as fused
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import (CPU_BLOCK_MAX_SEQ, cpu_attention, math_attention,
                                          sdpa_attention, select_backend)
+from megaulysses.model.attention.block_causal import block_causal_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.model.layers import build_norm
+from megaulysses.model.ops import cross_entropy, norms, onednn
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -43,7 +44,7 @@ def test_linear_matches_f_linear(bias):
     b = torch.randn(80) if bias else None
     g = torch.randn(3, 10, 80)
     ins = (x, w) + ((b,) if bias else ())
-    got = grads(lambda *t: fused.linear(*t), ins, g)
+    got = grads(lambda *t: onednn.linear(*t), ins, g)
     ref = grads(lambda *t: F.linear(*t), ins, g)
     assert got[0].shape == (3, 10, 80)
     for a, r in zip(got, ref):
@@ -51,10 +52,10 @@ def test_linear_matches_f_linear(bias):
 
 
 def test_linear_onednn_is_used_on_cpu_fp32():
-    if not fused.ONEDNN_LINEAR:
+    if not onednn.ONEDNN_LINEAR:
         pytest.skip("this torch build has no oneDNN linear")
     x = torch.randn(4, 8, requires_grad=True)
-    y = fused.linear(x, torch.randn(3, 8))
+    y = onednn.linear(x, torch.randn(3, 8))
     assert type(y.grad_fn).__name__ == "ViewBackward0"
     assert type(y.grad_fn.next_functions[0][0]).__name__ == "_OneDNNLinearBackward"
 
@@ -62,15 +63,15 @@ def test_linear_onednn_is_used_on_cpu_fp32():
 def test_linear_bf16_autocast_is_f_linear():
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, ref = fused.linear(x, w), F.linear(x, w)
+        got, ref = onednn.linear(x, w), F.linear(x, w)
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
 
 
 def test_linear_does_not_cache_weights():
     x, w = torch.randn(4, 8), torch.randn(3, 8)
-    fused.linear(x, w)
+    onednn.linear(x, w)
     w.add_(1.0)  # as an optimizer step does
-    assert_close(fused.linear(x, w), F.linear(x, w))
+    assert_close(onednn.linear(x, w), F.linear(x, w))
 
 
 # ---- output layer + cross entropy -------------------------------------------------------
@@ -84,14 +85,14 @@ def plain_linear_ce(x, w, labels):
 
 @pytest.mark.parametrize("rows", [7, 16, 1000])  # ragged chunks, even chunks, one chunk
 def test_linear_cross_entropy_matches_plain(monkeypatch, rows):
-    monkeypatch.setattr(fused, "_rows_per_chunk", lambda *_: rows)
+    monkeypatch.setattr(cross_entropy, "_rows_per_chunk", lambda *_: rows)
     torch.manual_seed(0)
     x = torch.randn(3, 20, 32)
     w = torch.randn(300, 32) * 0.5
     labels = torch.randint(0, 300, (3, 20))
     labels[0, 0] = labels[1, 4] = labels[2, 19] = -100  # ignored: loss 0, no gradient
     g = torch.rand(3, 20)
-    got = grads(lambda a, b: fused.linear_cross_entropy(a, b, labels), (x, w), g)
+    got = grads(lambda a, b: cross_entropy.linear_cross_entropy(a, b, labels), (x, w), g)
     ref = grads(lambda a, b: plain_linear_ce(a, b, labels), (x, w), g)
     assert got[0].dtype == torch.float32 and got[0].shape == (3, 20)
     assert got[0][1, 4] == 0 and got[1][1, 4].abs().max() == 0
@@ -103,7 +104,7 @@ def test_linear_cross_entropy_frozen_weight():
     torch.manual_seed(0)
     x, w, labels = torch.randn(6, 8), torch.randn(20, 8), torch.randint(0, 20, (6,))
     xg = x.clone().requires_grad_()
-    fused.linear_cross_entropy(xg, w, labels).sum().backward()  # w needs no gradient
+    cross_entropy.linear_cross_entropy(xg, w, labels).sum().backward()  # w needs no gradient
     xr = x.clone().requires_grad_()
     plain_linear_ce(xr, w, labels).sum().backward()
     assert_close(xg.grad, xr.grad)
@@ -114,14 +115,14 @@ def test_linear_cross_entropy_frozen_weight():
 def test_linear_cross_entropy_autocast(monkeypatch, dtype, rows):
     """Under autocast the matmuls run in 16 bits (as F.linear's), the softmax in fp32:
     losses and both gradients against the plain op under the same autocast, to BF16_TOL."""
-    monkeypatch.setattr(fused, "_rows_per_chunk", lambda *_: rows)
+    monkeypatch.setattr(cross_entropy, "_rows_per_chunk", lambda *_: rows)
     torch.manual_seed(0)
     x, w = torch.randn(64, 32), torch.randn(256, 32) * 0.3
     labels = torch.randint(0, 256, (64,))
     labels[5] = -100
     g = torch.rand(64)
     with torch.autocast("cpu", dtype=dtype):
-        got = grads(lambda a, b: fused.linear_cross_entropy(a, b, labels), (x, w), g)
+        got = grads(lambda a, b: cross_entropy.linear_cross_entropy(a, b, labels), (x, w), g)
         ref = grads(lambda a, b: plain_linear_ce(a, b, labels), (x, w), g)
     assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.float32
     for a, b in zip(got, ref):
@@ -133,10 +134,10 @@ def test_linear_cross_entropy_second_backward(monkeypatch, rows):
     """Zero-bubble pipelines run backward twice (inputs, then weights) with the same
     gradient: the second gives bitwise the same gradients. Nothing is consumed, so a
     different gradient works too."""
-    monkeypatch.setattr(fused, "_rows_per_chunk", lambda *_: rows)
+    monkeypatch.setattr(cross_entropy, "_rows_per_chunk", lambda *_: rows)
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(16, 8, requires_grad=True)
-    loss = fused.linear_cross_entropy(x, w, torch.tensor([0, 3, 15, 7])).sum()
+    loss = cross_entropy.linear_cross_entropy(x, w, torch.tensor([0, 3, 15, 7])).sum()
     dx1, dw1 = torch.autograd.grad(loss, (x, w), retain_graph=True)
     dx2, dw2 = torch.autograd.grad(loss, (x, w), retain_graph=True)
     assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
@@ -184,11 +185,11 @@ def test_linear_cross_entropy_holds_one_chunk(monkeypatch, autocast):
     more than one chunk of logits (32 x 512), nothing that size is saved for backward.
     (The plain op, measured the same way, makes and saves all T x V.)"""
     rows, t, v, h = 32, 256, 512, 16
-    monkeypatch.setattr(fused, "_rows_per_chunk", lambda *_: rows)
+    monkeypatch.setattr(cross_entropy, "_rows_per_chunk", lambda *_: rows)
     torch.manual_seed(0)
     x, w, labels = torch.randn(t, h), torch.randn(v, h), torch.randint(0, v, (t,))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        biggest, saved = largest_tensors(fused.linear_cross_entropy, x, w, labels)
+        biggest, saved = largest_tensors(cross_entropy.linear_cross_entropy, x, w, labels)
         plain_biggest, plain_saved = largest_tensors(plain_linear_ce, x, w, labels)
     assert plain_biggest == plain_saved == t * v  # the probe sees what it should
     assert biggest == rows * v
@@ -210,7 +211,7 @@ def test_block_causal_attention_matches_math(hq, hkv, s, block):
     b, d = 2, 16
     q, k, v = torch.randn(b, s, hq, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
     g = torch.randn(b, s, hq, d)
-    got = grads(lambda *t: fused.block_causal_attention(*t, block=block), (q, k, v), g)
+    got = grads(lambda *t: block_causal_attention(*t, block=block), (q, k, v), g)
     ref = grads(math_attention, (q, k, v), g)
     for a, r in zip(got, ref):
         assert_close(a, r)
@@ -219,7 +220,7 @@ def test_block_causal_attention_matches_math(hq, hkv, s, block):
 def test_block_causal_attention_bf16_forward():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 48, 4, 16, dtype=torch.bfloat16) for _ in range(3))
-    assert_close(fused.block_causal_attention(q, k, v, block=16), math_attention(q, k, v),
+    assert_close(block_causal_attention(q, k, v, block=16), math_attention(q, k, v),
                  BF16_TOL)
 
 
@@ -257,7 +258,7 @@ def test_gpt_fused_loss_matches_plain_model(monkeypatch, tied):
     got = fast(tokens, labels=labels)
     got.mean().backward()
 
-    monkeypatch.setattr(fused, "ONEDNN_LINEAR", False)
+    monkeypatch.setattr(onednn, "ONEDNN_LINEAR", False)
     plain = build_model(cfg, math_attention, seed=3)
     logits = plain(tokens)
     ref = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
@@ -277,7 +278,7 @@ def test_rms_norm_matches_plain(shape):
     torch.manual_seed(0)
     x, g = torch.randn(*shape) * 3, torch.randn(*shape)
     w = torch.rand(shape[-1]) + 0.5
-    got = grads(lambda a, b: fused.rms_norm(a, b, 1e-5), (x, w), g)
+    got = grads(lambda a, b: norms.rms_norm(a, b, 1e-5), (x, w), g)
     ref = grads(lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * b,
                 (x, w), g)
     for a, r in zip(got, ref):
@@ -290,4 +291,4 @@ def test_rms_norm_matches_plain(shape):
 def test_rms_norm_bf16_forward():
     x, w = torch.randn(4, 32), torch.rand(32) + 0.5
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    assert_close(fused.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5), ref, BF16_TOL)
+    assert_close(norms.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5), ref, BF16_TOL)

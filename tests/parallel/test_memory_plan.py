@@ -277,7 +277,7 @@ USP_4096 = ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size",
 
 
 @pytest.mark.parametrize("flags,mask,core", [
-    # plain causal: every ring step on the fused kernel (model/fused_attention.py)
+    # plain causal: every ring step on the fused kernel (model/attention/fused.py)
     ([], "mask causal;", "ring over cp 4, fused kernel (with lse, one call a step)"),
     # ceil(511/64) + 1 = 9 blocks would reach back into another chunk (512 positions):
     # a ring step's keys of one rank within the window are 8 blocks

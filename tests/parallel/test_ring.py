@@ -1,6 +1,6 @@
 """Ulysses x Ring on 4 gloo ranks == one-process math attention, forward and backward, for
 every mask; bytes sent equal the formulas; plain causal and full masks run every ring step
-on the fused kernel (model/fused_attention.py), the other masks none, and under the causal
+on the fused kernel (model/attention/fused.py), the other masks none, and under the causal
 mask the ring's working set is the memory plan's, byte for byte; the zigzag layout and
 packed-document batches."""
 
@@ -39,7 +39,7 @@ def cases():
 
 
 def usp_vs_reference(rank, world, sp, cp):
-    from megaulysses.model import fused_attention
+    from megaulysses.model.attention import fused as fused_attention
     from megaulysses.model.attention import math_attention
     from megaulysses.parallel.comm import Comm
     from megaulysses.parallel.dims import CP, SP, ParallelDims
@@ -169,7 +169,7 @@ def test_zigzag_balances_causal_work():
     """Every ring rank computes the same number of (query, key) blocks over its C steps;
     contiguous chunks would give rank C-1 about 2C-1 times rank 0's."""
     from megaulysses.model.attention import AttentionMask
-    from megaulysses.model.block_attention import computed_pairs
+    from megaulysses.model.attention import computed_pairs
     from megaulysses.parallel.ring import zigzag_positions
     S, C, block = 1024, 4, 32
     work = [sum(computed_pairs(AttentionMask(), zigzag_positions(S, C, c),

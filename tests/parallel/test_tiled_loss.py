@@ -1,11 +1,11 @@
 """The vocab-parallel chunked output layer + cross entropy on 2 gloo ranks == one process.
 
-`fused.vocab_parallel_linear_cross_entropy` (each rank: half the vocabulary rows of W)
-against the plain `F.cross_entropy(F.linear(x, W).float(), labels)`: losses, dx and this
-rank's rows of dW, fp32 within FP32_TOL of the largest reference magnitude, for ragged,
-even and single chunks, with the input replicated (dx all-reduced inside) and as Megatron-SP
-sequence shards (gathered inside; dx reduce-scattered); under bf16 autocast within BF16_TOL.
-The bytes its collectives send match the formula. Then the whole GPT under
+`vocab_parallel_linear_cross_entropy` of parallel/tensor.py (each rank: half the vocabulary
+rows of W) against the plain `F.cross_entropy(F.linear(x, W).float(), labels)`: losses, dx
+and this rank's rows of dW, fp32 within FP32_TOL of the largest reference magnitude, for
+ragged, even and single chunks, with the input replicated (dx all-reduced inside) and as
+Megatron-SP sequence shards (gathered inside; dx reduce-scattered); under bf16 autocast
+within BF16_TOL. The bytes its collectives send match the formula. Then the whole GPT under
 `apply_tensor_parallel` (tied and untied output layer, with and without Megatron-SP, and
 with the tiled MLP under Megatron-SP): losses and every parameter gradient == one process.
 """
@@ -44,9 +44,10 @@ def _plain(x, w, labels, grad):
 
 
 def vocab_parallel_op(rank, world):
-    import megaulysses.model.fused as fused
+    from megaulysses.model.ops import cross_entropy
     from megaulysses.parallel.comm import Comm
     from megaulysses.parallel.dims import TP, ParallelDims
+    from megaulysses.parallel.tensor import vocab_parallel_linear_cross_entropy
     comm = Comm(ParallelDims(dp=1, tp=world, pp=1, sp=1).build_mesh("cpu"))
     x, w, labels, grad = _inputs()
     vocab = slice(rank * V // world, (rank + 1) * V // world)  # this rank's rows of W
@@ -56,11 +57,11 @@ def vocab_parallel_op(rank, world):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ref = _plain(x, w, labels, grad)
             for rows in ROWS if not autocast else [16]:
-                fused._rows_per_chunk = lambda *_, rows=rows: rows
+                cross_entropy._rows_per_chunk = lambda *_, rows=rows: rows
                 for sp in (False, True):
                     xl = (x[:, seq] if sp else x).clone().requires_grad_()
                     wl = w[vocab].clone().requires_grad_()
-                    losses = fused.vocab_parallel_linear_cross_entropy(
+                    losses = vocab_parallel_linear_cross_entropy(
                         xl, wl, labels, comm, TP, gather_dim=1 if sp else None)
                     dx, dw = torch.autograd.grad(losses, (xl, wl), grad)
                     err = max(_rel(losses, ref[0]), _rel(dx, ref[1][:, seq] if sp else ref[1]),
@@ -93,15 +94,15 @@ GPT_CASES = {"tied-tp2": (True, False, 1), "tied-tp2-megatron-sp": (True, True, 
 
 
 def gpt_tp(rank, world):
-    import megaulysses.model.fused as fused
     from megaulysses.config import ModelConfig
     from megaulysses.model.attention import math_attention
     from megaulysses.model.gpt import build_model
+    from megaulysses.model.ops import cross_entropy
     from megaulysses.model.tiling import apply_tiled_mlp
     from megaulysses.parallel.comm import Comm
     from megaulysses.parallel.dims import TP, ParallelDims
     from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel, step_context
-    fused._rows_per_chunk = lambda *_: 20  # 64 tokens: ragged chunks
+    cross_entropy._rows_per_chunk = lambda *_: 20  # 64 tokens: ragged chunks
     comm = Comm(ParallelDims(dp=1, tp=world, pp=1, sp=1).build_mesh("cpu"))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128, (2, 32), generator=g)

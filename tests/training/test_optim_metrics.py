@@ -97,7 +97,7 @@ def test_flops_formula_matches_counted_matmuls(kw, monkeypatch):
     """Megatron's formula == FLOPs torch's FlopCounterMode counts in one fwd+bwd
     (math attention: explicit s x s matmuls, counted in full as the formula assumes;
     plain aten matmuls, which the counter knows, instead of the oneDNN linear op)."""
-    from megaulysses.model import fused
+    from megaulysses.model.ops import onednn as fused
     monkeypatch.setattr(fused, "ONEDNN_LINEAR", False)
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                       vocab_size=256, **kw)

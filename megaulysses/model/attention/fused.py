@@ -6,9 +6,8 @@ against one set of keys, plain causal or full, forward and the matching backward
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
 
 This is what ring attention (parallel/ring.py) runs for every step whose mask is plain
-causal or full, and the block backend (model/block_attention.py) for plain causal masks:
-one kernel launch per step instead of a Python loop over 64-position blocks, and no host
-synchronisation.
+causal or full, and the block backend (block.py) for plain causal masks: one kernel launch
+per step instead of a Python loop over 64-position blocks, and no host synchronisation.
 
 Layouts are the framework's: q, dout, out `[b, sq, hq, d]`, k, v `[b, sk, hkv, d]`
 (hq % hkv == 0: GQA, query head j reads kv head j // (hq/hkv)), lse `[b, hq, sq]` fp32,

@@ -1,4 +1,5 @@
-"""Masked attention by blocks of queries and keys, flash-style, in plain torch ops.
+"""The block kernel: masked attention by blocks of queries and keys, flash-style, in plain
+torch ops.
 
 The sequence is cut into blocks of `block` positions. `AttentionMask.block_kinds` classes
 every (query block, key block) pair as SKIP, PARTIAL or FULL from the blocks' position
@@ -27,15 +28,15 @@ positions: `partial_forward` attends a set of query rows to one set of keys (pos
 gradients (the shares over a partition of the keys sum to the full gradient).
 
 A plain causal or full mask needs no blocks: `masked_block_attention` and the ring run it
-on a fused kernel with lse (model/fused_attention.py, `plain_fused_kernel`), one call each
-way, where one exists for the device and dtype; the blocks serve every other mask.
+on a fused kernel with lse (fused.py, `plain_fused_kernel`), one call each way, where one
+exists for the device and dtype; the blocks serve every other mask.
 
 GQA: q is viewed as `[b, hkv, s * rep, d]` with rows ordered (position, head in group), so a
 block of positions is a contiguous range of rows served by one kv head, as in
-`fused.block_causal_attention`; the element mask is repeated `rep` times along the rows.
-Scores, softmax statistics, partial outputs and gradients are fp32 whatever the input
-dtype (the whole-sequence kernel casts each output block as it stores it); the matmuls run
-in the input dtype.
+block_causal.py's `block_causal_attention`; the element mask is repeated `rep` times along
+the rows. Scores, softmax statistics, partial outputs and gradients are fp32 whatever the
+input dtype (the whole-sequence kernel casts each output block as it stores it); the
+matmuls run in the input dtype.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from megaulysses.model.attention import PARTIAL, SKIP, AttentionMask
-from megaulysses.model.fused_attention import FusedKernel, fused_kernel
+from megaulysses.model.attention.fused import FusedKernel, fused_kernel
+from megaulysses.model.attention.mask import PARTIAL, SKIP, AttentionMask
 
 Keys = Union[slice, torch.Tensor]  # the selected keys: a range, or gathered row indices
 
@@ -299,8 +300,8 @@ class _MaskedBlockAttention(torch.autograd.Function):
 
 
 class _FusedAttention(torch.autograd.Function):
-    """A plain causal or full mask on a fused kernel (model/fused_attention.py): one call
-    each way. Saves q, k, v, out, lse, as the block kernel does."""
+    """A plain causal or full mask on a fused kernel (fused.py): one call each way. Saves
+    q, k, v, out, lse, as the block kernel does."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, kernel: FusedKernel):
