@@ -85,7 +85,7 @@ from megaulysses.model.attention import (AttentionMask, SparseLayout,  # noqa: E
                                          cpu_attention, masked_block_attention, math_attention,
                                          sdpa_attention)
 from megaulysses.parallel.comm import Comm  # noqa: E402
-from megaulysses.parallel.dims import CP, SP, ParallelDims  # noqa: E402
+from megaulysses.parallel.dims import CP, SP, ParallelDims, build_mesh  # noqa: E402
 from megaulysses.parallel.ring import (RingAttention, local_positions,  # noqa: E402
                                        ring_bytes_per_layer)
 from megaulysses.parallel.ulysses import UlyssesAttention, ulysses_bytes_per_layer  # noqa: E402
@@ -286,7 +286,7 @@ def run_rank(rank: int, P: int, args, rows: list[dict], ref_path: str) -> dict:
     torch.set_num_threads(1)
     comms = {}
     for U, C in args.configs:  # every rank builds every mesh, in the same order
-        comms[(U, C)] = TimedComm(ParallelDims(dp=1, tp=1, pp=1, sp=U, cp=C).build_mesh("cpu"))
+        comms[(U, C)] = TimedComm(build_mesh(ParallelDims(dp=1, tp=1, pp=1, sp=U, cp=C), "cpu"))
     refs = torch.load(ref_path)  # {(hq, hkv): (out, dq, dk, dv)} over the whole sequence
     inputs = {hh: make_inputs(args, *hh) for hh in refs}
     live = [r for r in rows if r["na"] is None]

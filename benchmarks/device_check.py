@@ -205,13 +205,13 @@ def _peak_tflops(device, name: str):
 
 def part_throughput(args) -> dict:
     import torch
-    from megaulysses.config import parse_args as parse_flags
-    from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.parallel.memory_plan import plan_memory
-    from megaulysses.data.build import load_tokenizer
+    from megaulysses.config import parse_args as parse_flags, resolve
+    from megaulysses.planner.memory import plan_memory
+    from megaulysses.training.data import load_tokenizer
     from megaulysses.model.gpt import parameter_count
     from megaulysses.training.metrics import flops_per_iteration
-    from megaulysses.training.trainer import Trainer, attention_backend, train_step
+    from megaulysses.training.step import train_step
+    from megaulysses.training.trainer import Trainer
 
     device, name = _devices(args.cpu_smoke)
     shape = SMOKE if args.cpu_smoke else BIG
@@ -222,8 +222,8 @@ def part_throughput(args) -> dict:
     tried = []
     for seq in seqs:
         cfg = parse_flags(model_flags(shape, seq))
-        cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-        plan = plan_memory(cfg, ParallelDims(1, 1, 1, 1), 0, device.type)
+        cfg = resolve(cfg, 1, load_tokenizer(cfg).vocab_size)
+        plan = plan_memory(cfg, cfg.dims, 0, device.type)
         if total is not None and plan.peak_bytes > 0.95 * total:
             tried.append(dict(seq=seq, result=f"skipped: the plan predicts "
                                              f"{plan.peak_bytes / GIB:.1f} GiB of "
@@ -232,7 +232,7 @@ def part_throughput(args) -> dict:
         trainer = None
         try:
             trainer = Trainer(cfg)
-            backend = attention_backend(cfg, trainer.dims, trainer.device, trainer.dtype)[0]
+            backend = trainer.run.backend
             t = cfg.train
 
             def step(i):

@@ -24,7 +24,7 @@ Three things of the trainer do not run under fake tensors as they are; this scri
 patches them from outside (the megaulysses changes that would make the patches unnecessary
 are listed in the report on issue 12):
 
-1. `ParallelDims.build_mesh`: `init_device_mesh` turns its rank tensor into Python lists
+1. `dims.build_mesh`: `init_device_mesh` turns its rank tensor into Python lists
    (`tolist()`): built with the fake mode switched off (the mesh holds no model data).
 2. The trainer builds the GPT on the meta device and `parallelize` materializes it with
    `Module.to_empty`; for fake parameters that goes through `torch.utils.swap_tensors`,
@@ -91,7 +91,7 @@ def parse_args(argv=None):
 def measure_step(trainer, steps: int = 1) -> dict:
     """Run the trainer's train_step on `steps` global batches, the last inside LiveBytes
     (from the second on, AdamW's states exist before the step: a running job's state)."""
-    import megaulysses.training.trainer as tr
+    import megaulysses.training.step as tr
     from megaulysses.training.live_bytes import LiveBytes, storage_bytes
     t = trainer.cfg.train
     for i in range(steps - 1):
@@ -157,15 +157,14 @@ class _Scalars(torch.utils._python_dispatch.TorchDispatchMode):
 def _fake_patches():
     """Patches 1 and 2 of the module doc, undone on exit."""
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-    import megaulysses.training.trainer as tr
-    from megaulysses.parallel.dims import ParallelDims
+    import megaulysses.training.run as tr  # the module that builds the mesh and the GPT
     from torch.distributed.device_mesh import DeviceMesh
-    build_mesh, gpt, to_empty = ParallelDims.build_mesh, tr.GPT, torch.nn.Module.to_empty
+    build_mesh, gpt, to_empty = tr.build_mesh, tr.GPT, torch.nn.Module.to_empty
     mesh_init = DeviceMesh.__init__
 
-    def real_mesh(self, device_type, timeout=None):
+    def real_mesh(dims, device_type, timeout=None):
         with unset_fake_temporarily():
-            return build_mesh(self, device_type, timeout)
+            return build_mesh(dims, device_type, timeout)
 
     def real_mesh_init(self, *args, **kwargs):  # FSDP2 over a 2-D (dp_sp, tp) mesh makes one
         with unset_fake_temporarily():
@@ -181,13 +180,13 @@ def _fake_patches():
             return self
         return to_empty(self, device=device, recurse=recurse)
 
-    ParallelDims.build_mesh, tr.GPT = real_mesh, gpt_on_device
+    tr.build_mesh, tr.GPT = real_mesh, gpt_on_device
     torch.nn.Module.to_empty, DeviceMesh.__init__ = to_empty_unless_fake, real_mesh_init
     try:
         with _p2p_held_until_wait():
             yield
     finally:
-        ParallelDims.build_mesh, tr.GPT = build_mesh, gpt
+        tr.build_mesh, tr.GPT = build_mesh, gpt
         torch.nn.Module.to_empty, DeviceMesh.__init__ = to_empty, mesh_init
 
 

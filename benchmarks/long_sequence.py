@@ -29,7 +29,7 @@ one rank of the 8 on torch's fake process group under FakeTensorMode: the real T
 train_step, every op with its real shapes and no data (benchmarks/fake_rank.py, whose
 peaks equal real gloo runs to the byte on 12 grids). Every rank of these setups holds the
 same shapes (32000 and every length divide by 8), so rank 0 stands for all. Next to each
-measured peak: the memory plan's prediction (parallel/memory_plan.py, what --dry-run
+measured peak: the memory plan's prediction (planner/memory/, what --dry-run
 prints) for the same flags.
 
 Throughput is measured for real (8 gloo ranks, 1 thread each, on this machine's cores:
@@ -149,7 +149,7 @@ def loss_chunks(untiled: bool):
     """All rows in one kept chunk (Megatron's loss) when `untiled`, for the fused cross
     entropy and for the plan's model of it."""
     from megaulysses.model.ops import cross_entropy
-    from megaulysses.parallel import memory_plan
+    from megaulysses.planner import memory as memory_plan
     rows, budget = cross_entropy._rows_per_chunk, dict(memory_plan.CE_BUDGET)
     if untiled:
         cross_entropy._rows_per_chunk = lambda n, *_: n
@@ -184,7 +184,7 @@ class FakeRank:
         import fake_rank
         from megaulysses.config import parse_args as parse_flags
         from megaulysses.parallel.dims import PP
-        from megaulysses.parallel.memory_plan import plan_memory
+        from megaulysses.planner.memory import plan_memory
         from megaulysses.training.trainer import Trainer
         start = time.perf_counter()
         with loss_chunks(setup.untiled_loss), fake_rank._fake_patches(), FakeTensorMode():
@@ -236,7 +236,7 @@ def longest(rank: FakeRank, setup: Setup, budget: int, step: int, max_seq: int,
 def real_step_seconds(rank: int, world: int, argv: list, untiled: bool, steps: int) -> list:
     """One warm-up step, then `steps` timed ones (barrier-aligned) of the real Trainer."""
     import torch.distributed as dist
-    import megaulysses.training.trainer as tr
+    import megaulysses.training.step as tr
     from megaulysses.config import parse_args as parse_flags
     logging.disable(logging.INFO)
     with loss_chunks(untiled):

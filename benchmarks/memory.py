@@ -79,7 +79,8 @@ def trainer_flags(args, sp: int, zero: int) -> list:
 def measure(args, sp: int, zero: int) -> dict:
     """This rank's figures for one (sp, zero) run: two steps, the second measured."""
     from megaulysses.config import parse_args as parse_flags
-    from megaulysses.training.trainer import Trainer, train_step
+    from megaulysses.training.step import train_step
+    from megaulysses.training.trainer import Trainer
     trainer = Trainer(parse_flags(trainer_flags(args, sp, zero)))
     step = lambda: _one_step(trainer, train_step)  # noqa: E731
     step()  # warm-up: optimizer states appear

@@ -26,12 +26,13 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megaulysses.config import parse_args  # noqa: E402
-from megaulysses.data.build import load_tokenizer  # noqa: E402
+from megaulysses.training.data import load_tokenizer  # noqa: E402
 from megaulysses.hardware import RESERVE_GIB, gpu_spec  # noqa: E402
 from megaulysses.planner.search import Grid, evaluate, search  # noqa: E402
 
@@ -72,9 +73,9 @@ def _with_gpt2_vocab(flags: list) -> list:
 
 
 def _config(flags: list):
+    """The flags with the tokenizer's vocabulary (the grid's own rules are the planner's)."""
     cfg = parse_args(flags)
-    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-    return cfg
+    return replace(cfg, model=replace(cfg.model, vocab_size=load_tokenizer(cfg).vocab_size))
 
 
 def scripted(gpu) -> list[dict]:

@@ -52,7 +52,7 @@ from megaulysses.config import ModelConfig, ParallelConfig, pipeline_layout  # n
 from megaulysses.model.attention import select_backend  # noqa: E402
 from megaulysses.model.gpt import GPT, build_model  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
-from megaulysses.parallel.dims import PP, ParallelDims  # noqa: E402
+from megaulysses.parallel.dims import PP, ParallelDims, build_mesh  # noqa: E402
 from megaulysses.parallel.pipeline import (Pipeline, keep_stages, local_stages,  # noqa: E402
                                            stage_modules)
 
@@ -210,7 +210,7 @@ def run_schedule(args, comm: Comm, schedule: str, batches) -> dict:
 
 
 def run_rank(rank: int, pp: int, args) -> dict:
-    comm = Comm(ParallelDims(dp=1, tp=1, pp=pp, sp=1).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=1, pp=pp, sp=1), "cpu"))
     torch.set_num_threads(1)
     batches = micro_batches(args)
     return {s: run_schedule(args, comm, s, batches) for s in args.schedules}

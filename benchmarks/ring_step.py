@@ -159,8 +159,8 @@ def ring_rank(rank, world, args, s: int, dname: str) -> dict:
 
     import megaulysses.parallel.ring as ring
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import ParallelDims
-    comm = Comm(ParallelDims(dp=1, tp=1, pp=1, sp=1, cp=world).build_mesh("cpu"))
+    from megaulysses.parallel.dims import ParallelDims, build_mesh
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=1, pp=1, sp=1, cp=world), "cpu"))
     g = torch.Generator().manual_seed(args.seed + rank)
     shape = (args.batch, s, args.heads, args.head_dim)
     q, k, v, dout = (torch.randn(shape, generator=g).to(DTYPES[dname]) for _ in range(4))

@@ -63,7 +63,7 @@ from _common import launch, max_per_kind, table  # noqa: E402
 
 from megaulysses.model.attention import sdpa_attention  # noqa: E402
 from megaulysses.parallel.comm import Comm  # noqa: E402
-from megaulysses.parallel.dims import ParallelDims  # noqa: E402
+from megaulysses.parallel.dims import ParallelDims, build_mesh  # noqa: E402
 from megaulysses.parallel.tensor import megatron_sp_bytes_per_layer  # noqa: E402
 from megaulysses.parallel.ulysses import UlyssesAttention, ulysses_bytes_per_layer  # noqa: E402
 
@@ -178,7 +178,7 @@ def _import_deepspeed():
 
 def run_rank(rank: int, P: int, args) -> dict:
     _install_all_to_all_counter()
-    comm = Comm(ParallelDims(dp=1, tp=1, pp=1, sp=P).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=1, pp=1, sp=P), "cpu"))
     b, S, h, heads = args.batch, args.seq, args.hidden, args.heads
     s = S // P
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class UnknownGPU(ValueError):
     pass
 
 
-def gpu_spec(name: str, **overrides) -> GPU:
+def gpu_spec(name: str, **overrides: Optional[float]) -> GPU:
     """The table's row for `name` (case-insensitive), with any field replaced (None: keep)."""
     by_lower = {k.lower(): g for k, g in GPUS.items()}
     if name.lower() not in by_lower:

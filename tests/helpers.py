@@ -84,3 +84,9 @@ def host_syncs():
             self.n += func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero")
             return func(*args, **(kwargs or {}))
     return HostSyncs()
+
+
+def with_vocab(cfg, vocab_size: int):
+    """`cfg` (frozen) with the tokenizer's vocabulary, as resolve() fills it."""
+    import dataclasses
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))

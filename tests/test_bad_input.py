@@ -66,7 +66,7 @@ def test_missing_data_file(capfd):
 def test_data_path_to_the_bin_or_idx_file_means_its_prefix(suffix, tmp_path):
     """Issue 15, item 7: `--data-path X.bin` used to say `X.bin.bin/.idx not found`."""
     from megaulysses.config import parse_args
-    from megaulysses.data.build import build_datasets, load_tokenizer
+    from megaulysses.training.data import build_datasets, load_tokenizer
     cfg = parse_args(TINY + ["--data-path", DATA + suffix,
                              "--data-cache-path", str(tmp_path / "cache")])
     train, valid, _ = build_datasets(cfg, load_tokenizer(cfg).vocab_size)

@@ -554,17 +554,15 @@ def test_one_flag_alone_is_valid(flag):
 
     import torch
 
-    from megaulysses.config import parse_args
-    from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.training.trainer import attention_backend, compute_dtype
+    from megaulysses.config import parse_args, resolve
+    from megaulysses.training.run import attention_backend, compute_dtype
     cfg = parse_args([flag] + ALONE[flag])
     par = cfg.parallel
     world = (par.tensor_model_parallel_size * par.pipeline_model_parallel_size
              * par.ds_sequence_parallel_size * par.context_parallel_size)
-    dims = ParallelDims.from_config(cfg, world)
-    cfg.model.vocab_size = 4096 if cfg.data.tokenizer_type != "NullTokenizer" else \
+    vocab = 4096 if cfg.data.tokenizer_type != "NullTokenizer" else \
         cfg.data.vocab_size + 1  # + the end-of-document token
-    dims.validate_config(cfg)
-    attention_backend(cfg, dims, torch.device("cpu"), compute_dtype(cfg))
+    run_cfg = resolve(cfg, world, vocab)
+    attention_backend(run_cfg, torch.device("cpu"), compute_dtype(cfg))
     changed = dataclasses.asdict(cfg) != dataclasses.asdict(parse_args([]))
     assert changed or flag in RESTATE_A_DEFAULT, f"{flag} {ALONE[flag]} changes nothing"

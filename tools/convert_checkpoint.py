@@ -705,12 +705,11 @@ def trainer_flags(cfg: ModelConfig) -> list:
 
 def check_flags_build(flags: list, cfg: ModelConfig):
     """The printed flags must pass the trainer's own validation and give this shape."""
-    from megaulysses.config import parse_args
-    try:
-        built = parse_args(flags).model
+    from megaulysses.config import parse_args, resolve
+    try:  # the trainer's own start: the flags' rules, then resolve on one process
+        built = resolve(parse_args(flags), 1, cfg.vocab_size).model
     except ConfigError as e:
         raise ConvertError("config.json", f"our trainer cannot build this model: {e}")
-    built.vocab_size = cfg.vocab_size
     if built.shape_dict() != cfg.shape_dict():
         raise AssertionError(f"flags {flags} build {built.shape_dict()}, not {cfg.shape_dict()}")
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 try:
     import megaulysses  # noqa: F401
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
 def plan(argv: list):
     """(SearchResult, the run's Config, the fixed grid fields), or raises PlanError."""
-    from megaulysses.data.build import load_tokenizer
+    from megaulysses.training.data import load_tokenizer
     from megaulysses.hardware import OVERRIDABLE, UnknownGPU, gpu_spec
     from megaulysses.planner.search import search
     args, rest = planner_parser().parse_known_args(argv)
@@ -111,9 +112,10 @@ def plan(argv: list):
     if args.calibration:
         gpu = calibrated(gpu, args.calibration)
     base = parse_args(_run_flags(rest))
-    base.model.vocab_size = load_tokenizer(base).vocab_size
-    if base.train.global_batch_size is None:  # grids are compared at one batch: one per GPU
-        base.train.global_batch_size = args.gpus
+    # grids are compared at one batch: by default one sample per GPU
+    base = replace(base, model=replace(base.model, vocab_size=load_tokenizer(base).vocab_size),
+                   train=replace(base.train, global_batch_size=base.train.global_batch_size
+                                 or args.gpus))
     fixed = _fixed(rest, base)
     result = search(base, args.gpus, gpu, fixed, args.reserve_gib)
     _check_found(result, args, gpu, fixed)
@@ -174,8 +176,8 @@ def calibrated(gpu, path: str):
     """`gpu` with the efficiency that device_check.json's 1-GPU step reached: the planner's
     compute time at efficiency 1 over the measured step time (less the optimizer's)."""
     import dataclasses
-    from megaulysses.data.build import load_tokenizer
-    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.training.data import load_tokenizer
+    from megaulysses.config import resolve
     from megaulysses.planner.time_model import predict
     try:
         with open(path) as f:
@@ -186,8 +188,8 @@ def calibrated(gpu, path: str):
     if gpu.name.split("-")[0] not in device:
         raise PlanError(f"--calibration: {path} was measured on {device}, not {gpu.name}")
     cfg = parse_args(flags)
-    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-    ideal = predict(cfg, ParallelDims(1, 1, 1, 1, 1), dataclasses.replace(gpu, efficiency=1))
+    cfg = resolve(cfg, 1, load_tokenizer(cfg).vocab_size)
+    ideal = predict(cfg, cfg.dims, dataclasses.replace(gpu, efficiency=1))
     efficiency = ideal.compute_s / (step_s - ideal.optimizer_s)
     print(f"calibration: {device} ran {path}'s 1-GPU step in {step_s:.3f} s: efficiency "
           f"{efficiency:.3f} (table: {gpu.efficiency})")

@@ -9,6 +9,8 @@ cached as .npy files, keyed by a hash of everything they depend on; a cache file
 that is damaged or was made for other settings is rebuilt, with a warning.
 """
 
+from __future__ import annotations
+
 import hashlib
 import logging
 import math

@@ -19,10 +19,16 @@ The layout matches Megatron-LM byte for byte, so files move freely between the
 two frameworks.
 """
 
+from __future__ import annotations
+
 import os
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
@@ -97,7 +103,7 @@ class IndexedDatasetWriter:
     on success and discards the temporary files on error.
     """
 
-    def __init__(self, prefix: str, dtype=np.int32):
+    def __init__(self, prefix: str, dtype: npt.DTypeLike = np.int32):
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         _code_of(self.dtype)  # fail early on a dtype the format cannot store
@@ -116,7 +122,7 @@ class IndexedDatasetWriter:
         if self._finished:
             raise RuntimeError(f"{self.prefix}: writer already finalized or discarded")
 
-    def _as_tokens(self, tokens) -> np.ndarray:
+    def _as_tokens(self, tokens: npt.ArrayLike) -> np.ndarray:
         array = np.asarray(tokens)
         if array.ndim != 1:
             raise ValueError(f"{self.prefix}: a sequence must be 1-D, got shape {array.shape}")
@@ -129,7 +135,7 @@ class IndexedDatasetWriter:
                                  f"does not fit in {self.dtype}")
         return array.astype(self.dtype, copy=False)
 
-    def add_item(self, tokens) -> None:
+    def add_item(self, tokens: npt.ArrayLike) -> None:
         """Append one sequence."""
         self._check_open()
         array = self._as_tokens(tokens)
@@ -141,7 +147,7 @@ class IndexedDatasetWriter:
         self._check_open()
         self._document_indices.append(len(self._lengths))
 
-    def add_document(self, tokens) -> None:
+    def add_document(self, tokens: npt.ArrayLike) -> None:
         self.add_item(tokens)
         self.end_document()
 

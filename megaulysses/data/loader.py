@@ -13,10 +13,15 @@ its slice, so every rank's positions and its attention mask are the whole-sequen
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megaulysses.data.gpt_dataset import BlendedDataset, GPTDataset, MockGPTDataset
+
+    Samples = Union[GPTDataset, BlendedDataset, MockGPTDataset, Sequence[np.ndarray]]
 
 
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -40,7 +45,7 @@ class BatchBuilder:
     """`positions`: the positions of a sample this rank keeps (its sequence-parallel
     slice: parallel.ring.local_positions); None keeps the whole sample."""
 
-    def __init__(self, dataset, micro_batch_size: int, global_batch_size: int,
+    def __init__(self, dataset: Samples, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, positions: Optional[torch.Tensor] = None,
                  eod: Optional[int] = None, eod_mask_loss: bool = False,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False):
@@ -61,7 +66,7 @@ class BatchBuilder:
         idx = idx.reshape(self.num_micro, self.dp_size, self.mbs)[:, self.dp_rank]
         return [self.collate([self.dataset[int(i)] for i in row]) for row in idx]
 
-    def collate(self, samples) -> dict:
+    def collate(self, samples: Sequence[np.ndarray]) -> dict:
         data = torch.from_numpy(np.stack(samples).astype(np.int64))  # [b, s+1]
         tokens, labels = data[:, :-1], data[:, 1:]  # shift first; sp slices later
         loss_mask = torch.ones(tokens.shape, dtype=torch.float32)

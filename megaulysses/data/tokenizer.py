@@ -1,6 +1,9 @@
 """Tokenizers: text <-> token ids, with an end-of-document id (eod)."""
 
+from __future__ import annotations
+
 import os
+from typing import Iterable, SupportsInt
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
 
@@ -14,7 +17,7 @@ class Tokenizer:
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids: Iterable[SupportsInt]) -> str:
         raise NotImplementedError
 
 
@@ -41,7 +44,7 @@ class SentencePieceTokenizer(Tokenizer):
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids: Iterable[SupportsInt]) -> str:
         # SentencePiece wants plain ints, not numpy or torch scalars.
         return self._sp.decode([int(i) for i in ids])
 
@@ -62,7 +65,7 @@ class NullTokenizer(Tokenizer):
     def tokenize(self, text: str) -> list[int]:
         return list(map(int, text.split()))
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids: Iterable[SupportsInt]) -> str:
         return " ".join(map(str, ids))
 
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megaulysses.parallel.dims import DP_SP, PP, TP
+
+if TYPE_CHECKING:
+    from megaulysses.parallel.comm import Comm
 
 
 @dataclass
@@ -30,7 +34,7 @@ class GradPart:
 
 @torch.no_grad()
 def unscale_and_clip(parts: list[GradPart], inv_scale: float, max_norm: float,
-                     comm=None) -> float:
+                     comm: Optional[Comm] = None) -> float:
     """Unscale grads (fp16), return the global grad norm; clip when max_norm > 0.
 
     `comm` (on a grid): each part's squared norm is summed over its `summed_over` dims,

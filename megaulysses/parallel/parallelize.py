@@ -39,11 +39,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-from megaulysses.config import Config, pipeline_layout
+from megaulysses.config import RunConfig
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dims import DP_SP, PP, TP, ParallelDims
+from megaulysses.parallel.dims import DP_SP, PP, TP
 from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
 from megaulysses.parallel.recompute import apply_recompute
 from megaulysses.parallel.ring import apply_context_parallel
@@ -58,20 +58,18 @@ class Parallelized:
     pipeline: Optional[Pipeline]  # pp > 1
     zero: Zero  # gradient reduction over dp x sp and the optimizer
     zero_stage: int  # the stage in effect: 0 when dp x sp is one rank
-    layout: Optional[list]  # layer ids of each pipeline stage (pp > 1)
-    sequence_parallel: bool  # Megatron-SP in effect (asked for, and tp > 1)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
-                device: torch.device, dtype: torch.dtype,
+def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.device,
+                dtype: torch.dtype,
                 param_groups: Callable[[nn.Module], list[dict]],
                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Parallelized:
     """`model`: the whole GPT on the meta device. `param_groups(model)` and
     `make_optimizer(groups)` build the optimizer (ZeRO-1 runs it on row shards)."""
-    par, mem = cfg.parallel, cfg.memory
-    sequence_parallel = par.sequence_parallel and dims.tp > 1
+    par, mem, dims = cfg.parallel, cfg.memory, cfg.dims
+    sequence_parallel = par.tp_sequence_parallel  # in effect: asked for, and tp > 1
     zero_stage = par.zero_stage if comm.size(DP_SP) > 1 else 0
-    layout = pipeline_layout(cfg.model.num_layers, par) if dims.pp > 1 else None
+    layout = [list(stage) for stage in cfg.layout] if dims.pp > 1 else None
     stages = []
     if layout is not None:  # 1
         ids = local_stages(len(layout), dims.pp, comm.rank(PP))
@@ -95,15 +93,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, comm: Comm, cfg: Config,
     model.train()
     pipeline = None
     if layout is not None:
-        pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, _micro_batches(cfg, dims),
-                            _micro_shape(cfg, dims, sequence_parallel), device, stages)
+        pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
+                            _micro_shape(cfg), device, stages)
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer)
-    return Parallelized(model, pipeline, zero, zero_stage, layout, sequence_parallel)
+    return Parallelized(model, pipeline, zero, zero_stage)
 
 
 @torch.no_grad()
-def write_piece(param: torch.Tensor, value: torch.Tensor):
+def write_piece(param: torch.Tensor, value: torch.Tensor) -> None:
     """Put this rank's piece of the whole `value` into `param` (a DTensor keeps its shard:
     cut locally, nothing is sent)."""
     value = value.to(param.device)
@@ -130,16 +128,11 @@ def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _micro_batches(cfg: Config, dims: ParallelDims) -> int:
-    t = cfg.train
-    return t.global_batch_size // (t.micro_batch_size * dims.dp)
-
-
-def _micro_shape(cfg: Config, dims: ParallelDims, sequence_parallel: bool) -> tuple:
+def _micro_shape(cfg: RunConfig) -> tuple:
     """(micro-batch, local tokens of a sample, local tokens between blocks, hidden)."""
-    m = cfg.model
+    m, dims = cfg.model, cfg.dims
     s_tok = m.seq_length // dims.seq_degree
-    s_hid = s_tok // dims.tp if sequence_parallel else s_tok
+    s_hid = s_tok // dims.tp if cfg.parallel.tp_sequence_parallel else s_tok
     return cfg.train.micro_batch_size, s_tok, s_hid, m.hidden_size
 
 

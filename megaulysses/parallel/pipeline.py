@@ -26,6 +26,8 @@ the schedule does not rescale gradients (`scale_grads=False`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Optional
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -35,6 +37,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP, PP, SP, TP
+
+if TYPE_CHECKING:
+    from megaulysses.model.gpt import GPT
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -47,7 +52,7 @@ def local_stages(num_stages: int, pp: int, pp_rank: int) -> list[int]:
     return list(range(pp_rank, num_stages, pp))
 
 
-def keep_stages(model, layout: list[list[int]], stages: list[int]):
+def keep_stages(model: GPT, layout: list[list[int]], stages: list[int]) -> GPT:
     """Drop (on meta) every part of `model` that none of `stages` uses."""
     owned = {str(i) for s in stages for i in layout[s]}
     for name in [n for n in model.layers if n not in owned]:
@@ -67,7 +72,7 @@ def keep_stages(model, layout: list[list[int]], stages: list[int]):
 class StageModule(nn.Module):
     """One pipeline stage: a view over the parts of this rank's GPT that the stage uses."""
 
-    def __init__(self, model, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
         super().__init__()
         self.first, self.last = first, last
         tied_last = last and not model.cfg.untie_embeddings_and_output_weights
@@ -76,7 +81,8 @@ class StageModule(nn.Module):
         self.head = model.head if last else None
         self.__dict__["gpt"] = model  # not a submodule: parameters() is this stage's only
 
-    def forward(self, x, position_ids, labels, documents=None):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: tokens [b, s/sp] on the first stage, else hidden [b, s/sp, h]; documents [b, S]
         if self.first:
             x = self.embed(x, position_ids)
@@ -120,7 +126,8 @@ class _Stage(PipelineStage):
                                           last_backward=last_backward)
 
 
-def stage_modules(model, layout: list[list[int]], stage_ids: list[int]) -> list[StageModule]:
+def stage_modules(model: GPT, layout: list[list[int]],
+                  stage_ids: list[int]) -> list[StageModule]:
     """This rank's stages as modules (views over `model`), before anything is materialized:
     under ZeRO-2/3 each is an FSDP root, sharded while still on the meta device."""
     last = len(layout) - 1
@@ -135,7 +142,7 @@ class Pipeline:
     between blocks = seq / sp, or seq / (sp * tp) under Megatron-SP, hidden size).
     """
 
-    def __init__(self, model, comm: Comm, layout: list[list[int]], schedule: str,
+    def __init__(self, model: GPT, comm: Comm, layout: list[list[int]], schedule: str,
                  n_micro: int, micro_shape: tuple, device: torch.device, modules: list):
         pp, rank = comm.size(PP), comm.rank(PP)
         self.model, self.comm, self.n_micro, self.schedule_name = model, comm, n_micro, schedule
@@ -200,7 +207,7 @@ class Pipeline:
         """Forward only; this rank's masked loss sum (non-zero on the last stage only)."""
         return self._run(batches, train=False)
 
-    def overlap_grad_reduction(self, arm):
+    def overlap_grad_reduction(self, arm: Callable[[], None]) -> None:
         """Call `arm` (GradReducer.arm) before the last backward of a step, so the gradient
         reduction overlaps it. Only with one stage per rank and whole backwards (1f1b,
         gpipe): otherwise a parameter's gradient is not final after "its" last backward,
@@ -208,7 +215,7 @@ class Pipeline:
         if self.schedule_name in SINGLE_STAGE:
             self.stages[0].before_last_backward = arm
 
-    def sync_tied_grads(self, grad_of):
+    def sync_tied_grads(self, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the tied embedding's gradients of the first and last stage (see module doc).
         `grad_of(param)`: the tensor holding this rank's reduced gradient (whole, or its
         ZeRO rows: both stages cut the embedding alike)."""
@@ -217,7 +224,7 @@ class Pipeline:
         self.comm.pair_sum(grad_of(self.model.embed.word.weight), PP, self.tied_peer)
 
 
-def full_state_dict(model, comm: Comm):
+def full_state_dict(model: nn.Module, comm: Comm) -> Optional[dict[str, torch.Tensor]]:
     """The whole model's state dict on global rank 0 (None elsewhere), from any grid:
     tensor-parallel shards gathered (every rank takes part), pipeline stages collected
     from the stages' first (dp = sp = tp = 0) ranks. Costs a full copy on rank 0."""

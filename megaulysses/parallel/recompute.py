@@ -26,16 +26,20 @@ with groups of several blocks, the earlier blocks of a group are gathered once m
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megaulysses.parallel.ulysses import UlyssesAttention
 
+if TYPE_CHECKING:
+    from megaulysses.model.attention import AttentionCore
+    from megaulysses.model.gpt import GPT
 
-def apply_recompute(model, granularity: Optional[str], method: Optional[str] = None,
-                    num_layers: Optional[int] = None, early_stop: bool = True):
+
+def apply_recompute(model: GPT, granularity: Optional[str], method: Optional[str] = None,
+                    num_layers: Optional[int] = None, early_stop: bool = True) -> GPT:
     """Make backward recompute what `granularity` says (None: nothing). In place.
 
     `early_stop`: a group's recomputation may stop once it has made every tensor backward
@@ -62,7 +66,7 @@ class RecomputedCore:
     """An attention core `(q, k, v, dropout_p, mask) -> out` whose internals backward
     recomputes: only its inputs are kept."""
 
-    def __init__(self, core):
+    def __init__(self, core: AttentionCore):
         self.core = core
 
     def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):  # [b, S, h/P, d] each

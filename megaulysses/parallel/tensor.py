@@ -63,15 +63,26 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False,
     return model
 
 
+# The plan as a table (the memory plan sizes each rank's parameters by it), in the order
+# parallelize_module applies it: a block's linears, column-parallel (weight and bias split
+# by rows, dim 0) or row-parallel (weight split by columns, dim 1; bias whole; partial sums
+# reduced), mlp.gate where the block has one (SwiGLU); and the vocab-parallel embedding
+# and output layer (rows split). Everything else is replicated.
+BLOCK_LINEARS = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+                 "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise",
+                 "mlp.gate": "colwise"}
+VOCAB_PARALLEL = ("embed.word", "head.output")
+
+
 def _block_plan(block, sp: bool) -> dict:
     seq = Shard(1) if sp else Replicate()
-    plan = {
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=seq),
-        "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=seq),
-    }
-    if block.mlp.gate is not None:
-        plan["mlp.gate"] = ColwiseParallel()
+    plan = {}
+    for name, kind in BLOCK_LINEARS.items():
+        owner, _, attr = name.rpartition(".")
+        if getattr(block.get_submodule(owner), attr) is None:
+            continue  # no gate without SwiGLU
+        plan[name] = (ColwiseParallel() if kind == "colwise"
+                      else RowwiseParallel(output_layouts=seq))
     # Wrap each sublayer's input once: its gradient (partial sums from q, k, v, or from
     # fc1 and gate) is then reduced in one collective, not one per linear (Megatron's f).
     plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),  # (x, rotary, mask)

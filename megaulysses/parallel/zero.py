@@ -41,9 +41,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from megaulysses.parallel.comm import Comm, GradReducer, RowShard, _local
+from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
+from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local
 
 DIM = DP_SP
 

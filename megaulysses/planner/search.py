@@ -2,7 +2,7 @@
 
 A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
 (none, selective, full, full with the MLP tiled by 4) and the micro-batch. Each is checked
-by the trainer's own rules (`config.validate`, `ParallelDims.validate_config`): a grid the
+by the trainer's own rules (`config.validate`, `config.resolve`): a grid the
 trainer would refuse is rejected with the trainer's message. Megatron-SP is on whenever
 tp > 1 (the same bytes as plain tensor parallelism, less memory); tp stays inside a node.
 
@@ -15,13 +15,11 @@ are counted as dominated.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
-from megaulysses.config import Config, ConfigError, validate
-from megaulysses.parallel.dims import ParallelDims
+from megaulysses.config import Config, ConfigError, RunConfig, resolve, validate
 from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.planner.time_model import Prediction, predict
 
@@ -97,20 +95,22 @@ def _reason_key(c: Candidate) -> str:
     return "does not fit in memory" if c.kind == "memory" else c.reason.split(":")[0]
 
 
-def configure(base: Config, grid: Grid) -> Config:
-    """`base` with `grid`'s flags, checked by the trainer's flag rules (ConfigError)."""
-    cfg = copy.deepcopy(base)
-    par, mem = cfg.parallel, cfg.memory
-    par.tensor_model_parallel_size, par.pipeline_model_parallel_size = grid.tp, grid.pp
-    par.ds_sequence_parallel_size, par.context_parallel_size = grid.sp, grid.cp
-    par.sequence_parallel, par.zero_stage = grid.tp > 1, grid.zero
-    cfg.train.micro_batch_size, mem.tiled_mlp_chunks = grid.micro_batch, grid.tiles
+def configure(base: Config, grid: Grid) -> RunConfig:
+    """`base` with `grid`'s flags, checked and resolved as the trainer does (ConfigError).
+    `base.model.vocab_size`: the tokenizer's."""
     full = grid.recompute == "full"
-    mem.recompute_granularity = None if grid.recompute == "none" else grid.recompute
-    mem.recompute_method = (base.memory.recompute_method or "uniform") if full else None
-    mem.recompute_num_layers = (base.memory.recompute_num_layers or 1) if full else None
+    par = replace(base.parallel, tensor_model_parallel_size=grid.tp,
+                  pipeline_model_parallel_size=grid.pp, ds_sequence_parallel_size=grid.sp,
+                  context_parallel_size=grid.cp, tp_sequence_parallel=grid.tp > 1,
+                  zero_stage=grid.zero)
+    mem = replace(base.memory, tiled_mlp_chunks=grid.tiles,
+                  recompute_granularity=None if grid.recompute == "none" else grid.recompute,
+                  recompute_method=(base.memory.recompute_method or "uniform") if full else None,
+                  recompute_num_layers=(base.memory.recompute_num_layers or 1) if full else None)
+    cfg = Config(model=base.model, data=base.data, log=base.log, parallel=par, memory=mem,
+                 train=replace(base.train, micro_batch_size=grid.micro_batch))
     validate(cfg)
-    return cfg
+    return resolve(cfg, grid.dp * grid.tp * grid.pp * grid.sp * grid.cp, base.model.vocab_size)
 
 
 def evaluate(base: Config, grid: Grid, gpu: GPU, reserve_gib: float,
@@ -122,11 +122,9 @@ def evaluate(base: Config, grid: Grid, gpu: GPU, reserve_gib: float,
                          kind="invalid")
     try:
         cfg = configure(base, grid)
-        dims = ParallelDims(dp=grid.dp, tp=grid.tp, pp=grid.pp, sp=grid.sp, cp=grid.cp)
-        dims.validate_config(cfg)
     except ConfigError as e:
         return Candidate(grid, reason=str(e), kind="invalid")
-    p = predict(cfg, dims, gpu, reserve_gib, device_type)
+    p = predict(cfg, cfg.dims, gpu, reserve_gib, device_type)
     if not p.fits:
         return Candidate(grid, p, reason=f"needs {p.memory_bytes / 2 ** 30:.1f} GiB on "
                          f"pipeline rank {p.memory_stage}, {p.usable_bytes / 2 ** 30:.1f} "

@@ -1,6 +1,6 @@
 """Memory and iteration time of one grid on one kind of GPU, predicted from the config.
 
-Memory is the memory plan (parallel/memory_plan.py, the same accounting `--dry-run`
+Memory is the memory plan (planner/memory/, the same accounting `--dry-run`
 prints): the largest peak over the first and the last pipeline stage (and, with a sliding
 window, over the ring ranks). A grid fits when that peak is at most the GPU's memory less
 `reserve_gib` (CUDA context, NCCL buffers, cuBLAS workspace, the caching allocator's
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 from megaulysses.config import Config
 from megaulysses.model.attention import mask_from_config
+from megaulysses.model.flops import flops_per_iteration
 from megaulysses.parallel.dims import CP, DP, DP_SP, PP, SP, TP, ParallelDims
-from megaulysses.parallel.memory_plan import MemoryPlan, plan_memory
+from megaulysses.planner.memory import MemoryPlan, plan_memory
 from megaulysses.hardware import GPU, RESERVE_GIB
-from megaulysses.training.metrics import flops_per_iteration
 
 GIB = 2 ** 30
 ATTENTION_BACKWARD = 2.5  # flash attention's backward FLOPs over its forward's

@@ -25,6 +25,8 @@ optimizer, as continued pretraining from imported weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -35,7 +37,7 @@ import re
 import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -46,7 +48,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from megaulysses.config import CheckpointError
+from megaulysses.config import CheckpointError, Config, RunConfig, TrainConfig
+from megaulysses.config.schema import SECTIONS
+
+if TYPE_CHECKING:
+    from megaulysses.config import ModelConfig
+    from megaulysses.parallel.zero import ShardedAdamW
+
+    Optimizer = Union[torch.optim.Optimizer, ShardedAdamW]
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +173,15 @@ class Saver:
     """
 
     def __init__(self, save_dir: str, rank: int, barrier: Callable[[], None],
-                 keep_last: Optional[int] = None, use_async: bool = False, async_group=None):
+                 keep_last: Optional[int] = None, use_async: bool = False,
+                 async_group: Optional[torch.distributed.ProcessGroup] = None):
         self.save_dir, self.rank, self.barrier = save_dir, rank, barrier
         self.keep_last, self.use_async, self.async_group = keep_last, use_async, async_group
         self.pending = None  # (future, tmp dir, final dir, meta) of an async save
         self.last_saved: Optional[int] = None
 
-    def save(self, model, optimizer, state: TrainState, meta: dict, tokenizer: Optional[str]):
+    def save(self, model: torch.nn.Module, optimizer: Optimizer, state: TrainState, meta: dict,
+             tokenizer: Optional[str]) -> None:
         """`meta`: what trainer_state.json records besides the train state."""
         self.wait()  # one save in flight at a time
         final = iteration_dir(self.save_dir, state.iteration)
@@ -201,12 +212,12 @@ class Saver:
             self._commit(tmp, final, meta)
         self.barrier()  # nobody runs ahead (and, e.g., exits) before the commit
 
-    def poll(self):
+    def poll(self) -> None:
         """Commit a finished background save (rank 0); cheap, no collective."""
         if self.pending is not None and self.pending[0].done():
             self._finish()
 
-    def wait(self):
+    def wait(self) -> None:
         """Block until a background save is written and committed, on every rank."""
         if self.pending is None:
             return
@@ -369,8 +380,9 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
 
 
-def load_checkpoint(path: str, model, optimizer, expect: dict, rank: int = 0,
-                    load_optim: bool = True, load_rng: bool = True) -> tuple[TrainState, dict]:
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, expect: dict,
+                    rank: int = 0, load_optim: bool = True,
+                    load_rng: bool = True) -> tuple[TrainState, dict]:
     """Load into the (already parallelized) model and optimizer: DCP reshards whatever
     grid saved it onto ours. `expect` is what the checkpoint must agree on (check_meta).
     Returns the train state and the checkpoint's trainer_state.json."""
@@ -430,7 +442,7 @@ def read_model_checkpoint(path: str) -> tuple[dict, dict]:
     return meta, state
 
 
-def model_config(shape: dict):
+def model_config(shape: dict) -> ModelConfig:
     """ModelConfig from a checkpoint's "model" entry (ModelConfig.shape_dict())."""
     from dataclasses import fields
     from megaulysses.config import ModelConfig
@@ -450,7 +462,7 @@ def _root_cause(e: BaseException) -> str:
 
 # -- what a checkpoint must agree on ------------------------------------------------------
 
-def check_meta(path: str, saved: dict, expect: dict):
+def check_meta(path: str, saved: dict, expect: dict) -> None:
     """Errors (exit 2) for what makes the weights meaningless here: model shape,
     vocabulary, tokenizer. `expect`: {"model": shape_dict, "tokenizer": {...}}."""
     shape = saved.get("model", {})
@@ -487,3 +499,53 @@ def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict
         raise CheckpointError(f"--load: {path} was trained with another tokenizer than "
                               f"{where} (same size, different vocabulary: sha256 "
                               f"{saved_tok['sha256'][:12]} vs {tok['sha256'][:12]})")
+
+
+# ---- what a training run writes beside its weights, and checks when it resumes ----------
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_sha256(path: str) -> str:
+    return file_sha256(path)  # once per run: every save records it
+
+
+def tokenizer_meta(cfg: Config, vocab_size: int) -> dict:
+    """What identifies the vocabulary: a checkpoint must be loaded with the same."""
+    d = cfg.data
+    if d.tokenizer_type == "NullTokenizer":
+        return {"type": d.tokenizer_type, "vocab_size": vocab_size,
+                "flag": f"--vocab-size {d.vocab_size} (NullTokenizer)"}
+    return {"type": d.tokenizer_type, "vocab_size": vocab_size,
+            "sha256": _tokenizer_sha256(d.tokenizer_model),
+            "flag": f"--tokenizer-model {d.tokenizer_model}"}
+
+
+def schedule_meta(t: TrainConfig) -> dict:
+    return {"lr": t.lr, "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style,
+            "lr_warmup_iters": t.lr_warmup_iters,
+            "lr_decay_iters": t.lr_decay_iters or t.train_iters}
+
+
+def data_meta(cfg: Config) -> dict:
+    d = cfg.data
+    return {"data_path": list(d.data_path), "split": d.split, "seed": cfg.train.seed,
+            "mock_data": d.mock_data, "seq_length": cfg.model.seq_length}
+
+
+def run_meta(cfg: RunConfig, vocab_size: int, zero_stage: int) -> dict:
+    """meta.json of a training run's checkpoint: the model's shape, the tokenizer, the
+    schedule, the data, the grid and every flag's value."""
+    d = cfg.dims
+    return {"model": cfg.model.shape_dict(), "tokenizer": tokenizer_meta(cfg, vocab_size),
+            "lr_schedule": schedule_meta(cfg.train), "data": data_meta(cfg),
+            "grid": {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "zero_stage": zero_stage},
+            "args": {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}}
+
+
+def warn_changed(path: str, key: str, meta: dict, now: dict, consequence: str) -> None:
+    """Flags that may change on resume (unlike the model's shape), but rarely should."""
+    saved = meta.get(key, {})
+    for name, value in now.items():
+        if name in saved and saved[name] != value:
+            log.warning("--%s is %s but %s was saved with %s: %s", name.replace("_", "-"),
+                        value, path, saved[name], consequence)

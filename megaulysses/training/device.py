@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -21,7 +21,7 @@ def pick_device() -> torch.device:
 
 
 @contextlib.contextmanager
-def use(device: torch.device):
+def use(device: torch.device) -> Iterator[None]:
     """`pick_device()` answers `device` inside (tests only)."""
     global _forced
     before, _forced = _forced, torch.device(device)

@@ -2,8 +2,8 @@
 
 The grid's world is `--dry-run-world-size`, else the WORLD_SIZE environment variable (as
 torchrun sets it), else 1. Everything the trainer checks at start-up that needs no data
-and no process group is checked the same way (`ParallelDims.from_world`, `validate`, the
-tokenizer for the vocabulary size); then `plan_memory` prints each pipeline stage's bytes
+and no process group is checked the same way (`run.resolve_run`: the tokenizer for the
+vocabulary size, then `config.resolve`); then `plan_memory` prints each pipeline stage's bytes
 per rank and the communication per iteration. Nothing is allocated: the model exists only
 on the meta device, inside the plan. The plan is made for `--dry-run-device` (cuda or cpu;
 default, the device the trainer would pick here), so a GPU run can be planned on a CPU
@@ -19,10 +19,9 @@ import os
 
 import torch
 
-from megaulysses.config import Config, ConfigError
-from megaulysses.data.build import load_tokenizer
-from megaulysses.parallel.dims import ParallelDims
-from megaulysses.parallel.memory_plan import format_plan, plan_memory
+from megaulysses.config import Config, ConfigError, ParallelDims, RunConfig
+from megaulysses.planner.memory import format_plan, plan_memory
+from megaulysses.training.run import attention_backend, compute_dtype, resolve_run
 
 ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last are printed
 
@@ -30,7 +29,8 @@ ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last a
 def dry_run(cfg: Config) -> int:
     """Validate `cfg` on its grid and print the plan (from global rank 0 only). Returns the
     exit code, 0; a rule that fails raises ConfigError, as in training."""
-    dims = _validated_dims(cfg)
+    cfg = _resolved(cfg)
+    dims = cfg.dims
     speak = int(os.environ.get("RANK", "0")) == 0
     if not speak and not cfg.memory.dry_run_gpu:
         return 0
@@ -64,18 +64,15 @@ def _check_fits(plans: list, gpu_name: str, speak: bool = True):
               f"{usable / 2 ** 30:.1f} GiB usable (pipeline rank {worst.pp_rank})")
 
 
-def _validated_dims(cfg: Config) -> ParallelDims:
-    """The grid, checked exactly as Trainer.__init__ checks it."""
+def _resolved(cfg: Config) -> RunConfig:
+    """The run config on its grid, resolved and checked exactly as build_run does."""
     world = cfg.memory.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.from_config(cfg, world)
-    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-    dims.validate_config(cfg)
+    run_cfg = resolve_run(cfg, world)[0]
     if not (cfg.memory.dry_run_device or cfg.memory.dry_run_gpu):
         # Planning for this machine: the attention backend must run the mask here, as the
         # trainer checks (another device's backends cannot be checked from this one).
-        from megaulysses.training.trainer import attention_backend, compute_dtype
-        attention_backend(cfg, dims, torch.device(_device(cfg)), compute_dtype(cfg))
-    return dims
+        attention_backend(run_cfg, torch.device(_device(cfg)), compute_dtype(cfg))
+    return run_cfg
 
 
 def _device(cfg: Config) -> str:
@@ -99,7 +96,7 @@ def _header(cfg: Config, dims: ParallelDims, device: str) -> str:
                      f"{mem.recompute_num_layers})"
     return (f"dry run: world {dims.world} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp} x sp "
             f"{dims.sp} x cp {dims.cp}"
-            f"{' (Megatron-SP in tp)' if par.sequence_parallel and dims.tp > 1 else ''}"
+            f"{' (Megatron-SP in tp)' if par.tp_sequence_parallel else ''}"
             f"; ZeRO stage {par.zero_stage} over dp*cp*sp = {dims.dp * dims.cp * dims.sp}; "
             f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
             f"seq {m.seq_length} ({m.seq_length // dims.seq_degree} tokens a rank), vocab "

@@ -45,6 +45,7 @@ parallelism) plans its blocks with `nonzero`, so it cannot run here.
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -296,33 +297,32 @@ def _written(func, args, kwargs) -> list:
 def _outside_fake_mode():
     """Device meshes and the trainer's meta GPT are built with the fake mode off."""
     from torch.distributed.device_mesh import DeviceMesh
-    from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.training import trainer
-    mesh_init, build_mesh, gpt = DeviceMesh.__init__, ParallelDims.build_mesh, trainer.GPT
+    from megaulysses.training import run as trainer  # the module that builds them
+    mesh_init, build_mesh, gpt = DeviceMesh.__init__, trainer.build_mesh, trainer.GPT
 
     def real_mesh_init(self, *args, **kwargs):  # FSDP2 makes meshes too
         with unset_fake_temporarily():
             mesh_init(self, *args, **kwargs)
 
-    def real_build_mesh(self, *args, **kwargs):
+    def real_build_mesh(*args, **kwargs):
         with unset_fake_temporarily():
-            return build_mesh(self, *args, **kwargs)
+            return build_mesh(*args, **kwargs)
 
     def real_gpt(*args, **kwargs):
         with unset_fake_temporarily():
             return gpt(*args, **kwargs)
 
-    DeviceMesh.__init__, ParallelDims.build_mesh = real_mesh_init, real_build_mesh
+    DeviceMesh.__init__, trainer.build_mesh = real_mesh_init, real_build_mesh
     trainer.GPT = real_gpt
     try:
         yield
     finally:
-        DeviceMesh.__init__, ParallelDims.build_mesh = mesh_init, build_mesh
+        DeviceMesh.__init__, trainer.build_mesh = mesh_init, build_mesh
         trainer.GPT = gpt
 
 
 @contextlib.contextmanager
-def fake_rank(rank: int = 0, world: int = 1):
+def fake_rank(rank: int = 0, world: int = 1) -> Iterator[torch.device]:
     """This process as rank `rank` of `world` on the fake process group, every tensor fake,
     `pick_device()` the fake accelerator."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

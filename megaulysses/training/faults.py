@@ -4,7 +4,7 @@ injecting faults.
 A collective fails on the ranks that survive a dead or hung rank: at once where the
 dead rank's connections close, or after --distributed-timeout-minutes. `failure_line`
 turns that into the one line a user sees, naming the ranks that did not answer a roll
-call (comm.roll_call); the caller exits non-zero without a traceback.
+call (`roll_call`); the caller exits non-zero without a traceback.
 
 Fault injection is for tests: MEGAULYSSES_FAULT="KIND:RANK:ITERATION[:SECONDS]", read
 here alone (ITERATION+ : that iteration and every later one). At ITERATION, on RANK, after the backward and before the gradient norm's
@@ -95,9 +95,8 @@ def is_distributed_failure(e: BaseException) -> bool:
 
 def failure_line(e: BaseException, timeout_minutes: float) -> str:
     """One line for a failed collective: what failed here and which ranks are gone
-    (after a roll call that lasts until every survivor has failed too: comm.roll_call)."""
+    (after a roll call that lasts until every survivor has failed too: roll_call)."""
     import torch.distributed as dist
-    from megaulysses.parallel.comm import roll_call
     rank = dist.get_rank()
     cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     cause = cause.split("] ", 1)[-1].split(". ")[0][:120]  # no source location, no advice
@@ -115,6 +114,55 @@ def failure_line(e: BaseException, timeout_minutes: float) -> str:
     return (f"rank {rank}: a collective failed ({cause}); {who} "
             f"(--distributed-timeout-minutes {timeout_minutes:g}); the job stops, resume "
             "from the last checkpoint with the same command")
+
+
+# -- after a failed collective: who is gone ---------------------------------------------
+
+ROLL_CALL_SECONDS = 5.0  # how long survivors wait for each other beyond a timeout
+_ROLL_CALL = "megaulysses/roll_call/"
+
+
+def roll_call(timeout_s: float, timed_out: bool) -> Optional[list[int]]:
+    """After a collective failed on this rank: the ranks that do not answer on the job's
+    key-value store (dead or hung), or None when the store itself is gone (it lives in
+    rank 0's process unless torchrun hosts it).
+
+    A rank that failed because a peer's connection closed may have survivors still
+    blocked in a collective (gloo frees no peer until its process exits, or times out),
+    each failing within the timeout: the call lasts `timeout_s` + 5 s from the first
+    failure. Once any rank has failed by timing out, every survivor blocked since that
+    step has timed out too: 5 s from then. Every rank waits alike, so all name the same
+    ranks. O(1) store requests per poll: it scales to large jobs. Rank 0 stays 2 s
+    longer: the others read the store it may host."""
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store.set(_key(str(me)), "1")
+        if store.add(_key("count"), 1) == 1:  # the first failure sets the longest deadline
+            store.set(_key("deadline"), repr(time.time() + timeout_s + ROLL_CALL_SECONDS))
+        if timed_out and store.add(_key("timed_out"), 1) == 1:
+            store.set(_key("timed_out_deadline"), repr(time.time() + ROLL_CALL_SECONDS))
+        while store.add(_key("count"), 0) < world and time.time() < _deadline(store):
+            time.sleep(0.5)
+        return [r for r in range(world) if not store.check([_key(str(r))])]
+    except (RuntimeError, OSError, ValueError):  # the store's host is gone
+        return None
+    finally:
+        if me == 0:
+            time.sleep(2.0)
+
+
+def _key(name: str) -> str:
+    return _ROLL_CALL + name
+
+
+def _deadline(store) -> float:
+    """The roll call's end: the first failure's, or sooner once a rank timed out."""
+    deadline = float(store.get(_key("deadline")))
+    if store.check([_key("timed_out_deadline")]):
+        deadline = min(deadline, float(store.get(_key("timed_out_deadline"))))
+    return deadline
 
 
 @contextlib.contextmanager

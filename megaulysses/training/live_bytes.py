@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,13 +107,13 @@ class LiveBytes(TorchDispatchMode):
 
     # -- public -------------------------------------------------------------------------
 
-    def reset_peak(self):
+    def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.current
             self.peak_by_label = dict(self.current_by_label)
 
     @contextlib.contextmanager
-    def phase(self, label: str):
+    def phase(self, label: str) -> Iterator[LiveBytes]:
         before, self.label = self.label, label
         try:
             yield self

@@ -66,7 +66,7 @@ class LRSchedule:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float):
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
 
@@ -86,7 +86,7 @@ class LossScaler:
         self.clean_steps = 0
         self.hysteresis_left = self.hysteresis
 
-    def update(self, overflow: bool):
+    def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:
@@ -105,7 +105,7 @@ class LossScaler:
         return {"scale": self.scale, "clean_steps": self.clean_steps,
                 "hysteresis_left": self.hysteresis_left}
 
-    def load_state_dict(self, state: dict):
+    def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"]
         self.clean_steps = state["clean_steps"]
         self.hysteresis_left = state["hysteresis_left"]

@@ -13,7 +13,10 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from megaulysses.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class StopConditions:
         self.signal = signal.Signals(signum).name
         log.warning("%s received: stopping after the current step", self.signal)
 
-    def reason(self, comm) -> Optional[str]:
+    def reason(self, comm: Comm) -> Optional[str]:
         """Why every rank should stop now, or None. A collective when active: every rank
         calls it after every step."""
         if not self.active:
@@ -71,7 +74,7 @@ class StopConditions:
             return f"--exit-duration-in-mins {self.duration_mins:g} reached"
         return None
 
-    def close(self):
+    def close(self) -> None:
         """Give the signals back to whoever handled them before."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)

@@ -22,7 +22,7 @@ import pytest
 from helpers import TINY
 from megaulysses.config import ConfigError, parse_args
 from megaulysses.data import gpt_dataset
-from megaulysses.data.build import TOKEN_RANGES, build_datasets
+from megaulysses.training.data import TOKEN_RANGES, build_datasets
 from megaulysses.data.gpt_dataset import (BlendedDataset, GPTDataset,
                                           build_train_valid_test_datasets)
 from megaulysses.data.indexed import HEADER_SIZE, IndexedDataset, IndexedDatasetWriter

@@ -7,8 +7,8 @@ from dist import run_ranks
 
 def collectives(rank, world):
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import ParallelDims
-    comm = Comm(ParallelDims(dp=world, tp=1, pp=1, sp=1).build_mesh("cpu"))
+    from megaulysses.parallel.dims import ParallelDims, build_mesh
+    comm = Comm(build_mesh(ParallelDims(dp=world, tp=1, pp=1, sp=1), "cpu"))
     g = torch.Generator().manual_seed(0)
     full = torch.randn(world, 3, 4 * world, generator=g)  # rank r holds full[r]
     upstream = torch.randn(3, 4 * world * world, generator=g)

@@ -46,12 +46,10 @@ IDS = ["world", "heads", "kv-groups", "seq", "batch", "tp-kv-groups", "megatron-
 
 def grid_error(world: int, flags: list) -> str:
     """The trainer's grid checks, in this process: the one-line message they raise."""
-    from megaulysses.config import ConfigError, parse_args
-    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.config import ConfigError, parse_args, resolve
     cfg = parse_args(TINY + flags)
-    cfg.model.vocab_size = 1000  # the trainer takes it from the tokenizer
     with pytest.raises(ConfigError) as e:
-        ParallelDims.from_config(cfg, world).validate_config(cfg)
+        resolve(cfg, world, 1000)  # the trainer takes the vocabulary from the tokenizer
     return str(e.value)
 
 

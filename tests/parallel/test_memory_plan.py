@@ -1,4 +1,4 @@
-"""The memory plan (parallel/memory_plan.py) against what real ranks hold, and --dry-run.
+"""The memory plan (planner/memory/) against what real ranks hold, and --dry-run.
 
 Measured: per rank, the real Trainer on real gloo ranks runs one step (AdamW creates its
 states), then the second step inside `LiveBytes`: the peak live tensor bytes of that step
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from helpers import TINY
+from helpers import TINY, with_vocab
 
 TOLERANCE = 0.10  # of the measured peak
 MIB = 2 ** 20
@@ -86,7 +86,7 @@ def measure_rank(rank, world, grids: dict) -> dict:
 def measure_grid(flags: list) -> tuple:
     from megaulysses.config import parse_args
     from megaulysses.parallel.dims import CP, PP
-    from megaulysses.parallel.memory_plan import plan_memory
+    from megaulysses.planner.memory import plan_memory
     from megaulysses.training.trainer import Trainer
     trainer = Trainer(parse_args(BASE + flags))
     measured, comm = measured_peak(trainer)
@@ -100,7 +100,7 @@ def measure_grid(flags: list) -> tuple:
 def measured_peak(trainer) -> tuple[int, dict]:
     """Bytes held before the second step + the peak live bytes it allocated; and the
     bytes it sent per (group, collective kind)."""
-    import megaulysses.training.trainer as tr
+    import megaulysses.training.step as tr
     from megaulysses.training.live_bytes import LiveBytes, storage_bytes
     t = trainer.cfg.train
 
@@ -171,14 +171,14 @@ def test_planner_predicts_the_measured_grids(measured):
     any rank within TOLERANCE, and the bytes per (group, kind) that the busiest pipeline
     stage's rank 0 sent, exactly."""
     from megaulysses.config import parse_args
-    from megaulysses.data.build import load_tokenizer
+    from megaulysses.training.data import load_tokenizer
     from megaulysses.hardware import gpu_spec
     from megaulysses.planner.search import Grid, evaluate
     checked = 0
     for world, grids in GRIDS.items():
         for name, flags in grids.items():
             cfg = parse_args(BASE + flags)
-            cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
+            cfg = with_vocab(cfg, load_tokenizer(cfg).vocab_size)
             par = cfg.parallel
             tp, pp, sp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                               par.ds_sequence_parallel_size, par.context_parallel_size)
@@ -204,16 +204,15 @@ def test_selective_layer_terms_match_the_measured_starting_point():
     """One process, fp32, Llama style, MHA: a layer keeps T*(8h + 4f) + 2T fp32 elements
     under selective recomputation (measured, issue 12), and the micro-batch RoPE's cos and
     sin once, T*d (no longer gathered per layer)."""
-    from megaulysses.config import parse_args
+    from megaulysses.config import parse_args, resolve
     from megaulysses.parallel.dims import ParallelDims
-    from megaulysses.parallel.memory_plan import plan_memory
-    cfg = parse_args(BASE + SELECTIVE)
-    cfg.model.vocab_size = 512
+    from megaulysses.planner.memory import plan_memory
+    cfg = resolve(parse_args(BASE + SELECTIVE), 1, 512)
     plan = plan_memory(cfg, ParallelDims(1, 1, 1, 1), 0, "cpu")
     m = cfg.model
     T, h, f, d = 2 * m.seq_length, m.hidden_size, m.ffn_size, m.head_dim
     assert plan.activation_bytes_per_layer == 4 * (T * (8 * h + 4 * f) + 2 * T)
-    from megaulysses.parallel.memory_plan import _Activations, _RankLayout, _shape
+    from megaulysses.planner.memory import _Activations, _RankLayout, _shape
     acts = _Activations(_shape(cfg, ParallelDims(1, 1, 1, 1), "cpu"), cfg,
                         _RankLayout.of(cfg, ParallelDims(1, 1, 1, 1), 0))
     assert acts.rotary == 4 * T * d

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from dist import free_port, run_ranks
-from helpers import REPO, read_jsonl
+from helpers import REPO, read_jsonl, with_vocab
 from test_parity import GPT2, TINY, assert_same_run, one_process_runs, run_args
 
-from megaulysses.config import ConfigError, parse_args, pipeline_layout
+from megaulysses.config import ConfigError, parse_args, pipeline_layout, resolve
 
 DEEP = ["--num-layers", "4"]
 STYLES = {"llama": DEEP, "untied": DEEP + ["--untie-embeddings-and-output-weights"],
@@ -161,7 +161,7 @@ def test_stage_layouts():
     assert layout(6, *PP4, "--decoder-first-pipeline-num-layers", "0",
                   "--decoder-last-pipeline-num-layers", "2") == [[], [0, 1], [2, 3], [4, 5]]
     assert layout(5, *PP2, "--decoder-last-pipeline-num-layers", "1") == [[0, 1, 2, 3], [4]]
-    cfg = parse_args(PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"])
+    cfg = resolve(parse_args(PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]), 2, 4096)
     assert cfg.parallel.pipeline_schedule == "interleaved-1f1b"
 
 
@@ -207,12 +207,13 @@ def test_bad_pipeline_grid_exits_2_on_every_rank(world, flags):
 
 
 def test_too_few_micro_batches_message():
-    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.config import ParallelDims, check_grid
     cfg = parse_args(DEEP + PP2 + ["--micro-batch-size", "2", "--global-batch-size", "2",
                                    "--vocab-size", "128",
                                    "--tokenizer-type", "NullTokenizer"])
-    cfg.model.vocab_size = 128
+    cfg = with_vocab(cfg, 128)
     with pytest.raises(ConfigError, match="1 micro-batches per pipeline.*1f1b needs at least"):
-        ParallelDims.from_world(2, pp=2).validate(cfg.model, 2, 2)
+        check_grid(ParallelDims.from_world(2, pp=2), cfg.model, 2, 2)
     with pytest.raises(ConfigError, match="zero-bubble needs a multiple of pp = 2"):
-        ParallelDims.from_world(2, pp=2).validate(cfg.model, 6, 2, pipeline_schedule="zero-bubble")
+        check_grid(ParallelDims.from_world(2, pp=2), cfg.model, 6, 2,
+                   pipeline_schedule="zero-bubble")

@@ -49,15 +49,14 @@ def test_layer_groups():
 def _kept_bytes_per_layer(recompute: list, layers: int, cfg_args: list) -> float:
     """Live tensor bytes a forward pass leaves for backward, per layer: the difference
     between 2 and 1 layers (the embedding, head and loss cancel out)."""
-    from megaulysses.config import parse_args
+    from megaulysses.config import parse_args, resolve
     from megaulysses.model.attention import select_backend
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.recompute import apply_recompute
     from megaulysses.training.live_bytes import LiveBytes
     kept = []
     for n in (layers, 2 * layers):
-        cfg = parse_args(cfg_args + ["--num-layers", str(n)] + recompute)
-        cfg.model.vocab_size = 512
+        cfg = resolve(parse_args(cfg_args + ["--num-layers", str(n)] + recompute), 1, 512)
         _, core = select_backend("auto", torch.device("cpu"))
         model = build_model(cfg.model, core, seed=0)
         m = cfg.memory

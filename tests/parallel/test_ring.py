@@ -42,11 +42,11 @@ def usp_vs_reference(rank, world, sp, cp):
     from megaulysses.model.attention import fused as fused_attention
     from megaulysses.model.attention import math_attention
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import CP, SP, ParallelDims
+    from megaulysses.parallel.dims import CP, SP, ParallelDims, build_mesh
     from megaulysses.parallel.ring import RingAttention, local_positions, ring_bytes_per_layer
     from megaulysses.parallel.ulysses import UlyssesAttention, ulysses_bytes_per_layer
     from megaulysses.training.live_bytes import LiveBytes
-    comm = Comm(ParallelDims(dp=1, tp=1, pp=1, sp=sp, cp=cp).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=1, pp=1, sp=sp, cp=cp), "cpu"))
     mine = local_positions(S, cp, comm.rank(CP), sp, comm.rank(SP))
     core = RingAttention(comm)
     if sp > 1:
@@ -95,7 +95,7 @@ def usp_vs_reference(rank, world, sp, cp):
 def _planned(hq: int, hkv: int, e: int, cp: int, cp_rank: int) -> tuple[int, int]:
     """The memory plan's fused ring working sets (forward, backward less dout) for ring
     rank `cp_rank` holding S/cp positions of hq heads."""
-    from megaulysses.parallel import memory_plan as mp
+    from megaulysses.planner import memory as mp
     T = B * S // cp
     s = mp._Shape(b=B, S=S, T=T, Tr=T, h=hq * D, d=D, hq=hq, hkv=hkv, kv=hkv, f=1, V=1, e=e,
                   tp=1, sp=1, cp=cp, mega_sp=False, swiglu=False, rope=False,
@@ -123,7 +123,7 @@ def test_ring_matches_single_process(sp, cp):
             assert r["fused_calls"] == r["fused_expected"], r
             if r["case"][0] in FUSED and sp == 1:  # Ulysses' all-to-all has its own
                 assert r["host_syncs"] == 0, r
-            if r["planned"] is not None:  # parallel/memory_plan.py's ring terms are exact
+            if r["planned"] is not None:  # planner/memory/cores.py's ring terms are exact
                 assert tuple(r["working_set"]) == tuple(r["planned"]), r
 
 

@@ -14,7 +14,7 @@ by any model whose largest parameter is most of it): 4 layers of hidden 256 agai
 """
 
 from dist import run_ranks
-from helpers import TINY
+from helpers import TINY, with_vocab
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
          "--num-query-groups", "8", "--global-batch-size", "16"]
@@ -35,7 +35,7 @@ def test_zero3_start_up_holds_shards_only(tmp_path):
     import torch
     args = TINY + MODEL + ["--zero-stage", "3", "--data-cache-path", str(tmp_path / "c")]
     cfg = parse_args(args)
-    cfg.model.vocab_size = 4096  # the bundled tokenizer's
+    cfg = with_vocab(cfg, 4096)  # the bundled tokenizer's
     with torch.device("meta"):
         sizes = [p.numel() * 4 for p in GPT(cfg.model).parameters()]
     total, largest = sum(sizes), max(sizes)

@@ -16,11 +16,11 @@ def block_tp(rank, world, sequence_parallel):
     from megaulysses.model.attention import math_attention
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.parallel.dims import ParallelDims, build_mesh
     from megaulysses.parallel.tensor import _block_plan, megatron_sp_bytes_per_layer
     cfg = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2,
                       seq_length=S, vocab_size=128)
-    comm = Comm(ParallelDims(dp=1, tp=world, pp=1, sp=1).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=world, pp=1, sp=1), "cpu"))
     ref_model = build_model(cfg, math_attention, seed=5)
     tp_model = build_model(cfg, math_attention, seed=5)
     ref, block = ref_model.layers["0"], tp_model.layers["0"]

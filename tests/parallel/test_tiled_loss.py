@@ -46,9 +46,9 @@ def _plain(x, w, labels, grad):
 def vocab_parallel_op(rank, world):
     from megaulysses.model.ops import cross_entropy
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import TP, ParallelDims
+    from megaulysses.parallel.dims import TP, ParallelDims, build_mesh
     from megaulysses.parallel.tensor import vocab_parallel_linear_cross_entropy
-    comm = Comm(ParallelDims(dp=1, tp=world, pp=1, sp=1).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=world, pp=1, sp=1), "cpu"))
     x, w, labels, grad = _inputs()
     vocab = slice(rank * V // world, (rank + 1) * V // world)  # this rank's rows of W
     seq = slice(rank * S // world, (rank + 1) * S // world)  # its sequence shard (SP)
@@ -100,10 +100,10 @@ def gpt_tp(rank, world):
     from megaulysses.model.ops import cross_entropy
     from megaulysses.model.tiling import apply_tiled_mlp
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import TP, ParallelDims
+    from megaulysses.parallel.dims import TP, ParallelDims, build_mesh
     from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel, step_context
     cross_entropy._rows_per_chunk = lambda *_: 20  # 64 tokens: ragged chunks
-    comm = Comm(ParallelDims(dp=1, tp=world, pp=1, sp=1).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=world, pp=1, sp=1), "cpu"))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128, (2, 32), generator=g)
     labels = tokens.roll(-1, dims=1)

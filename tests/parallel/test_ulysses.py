@@ -15,10 +15,10 @@ BF16_TOL = 2e-2  # bf16 has 8 mantissa bits: ~4e-3 per rounding, a few roundings
 def ulysses_vs_reference(rank, world, dtype_name):
     from megaulysses.model.attention import math_attention, sdpa_attention
     from megaulysses.parallel.comm import Comm
-    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.parallel.dims import ParallelDims, build_mesh
     from megaulysses.parallel.ulysses import UlyssesAttention, slice_sequence, ulysses_bytes_per_layer
     dtype = getattr(torch, dtype_name)
-    comm = Comm(ParallelDims(dp=1, tp=1, pp=1, sp=world).build_mesh("cpu"))
+    comm = Comm(build_mesh(ParallelDims(dp=1, tp=1, pp=1, sp=world), "cpu"))
     out = []
     for hq, hkv in CASES:
         if hkv % world and world % hkv:

@@ -52,7 +52,7 @@ def train_runs(rank, world, base_args, runs):
     last step, the bytes of its parameters' local tensors (stage 0 and 1: the whole
     tensor-parallel shard P), its tied-embedding copy under pp)."""
     from megaulysses.config import parse_args
-    from megaulysses.parallel.comm import _local
+    from megaulysses.parallel.grad_reduce import _local
     from megaulysses.parallel.pipeline import full_state_dict
     from megaulysses.training.trainer import Trainer
     out = []
@@ -69,7 +69,7 @@ def train_runs(rank, world, base_args, runs):
 
 def _tied_copy(trainer):
     """(where, pp rank, this rank's rows of the tied word embedding) or None."""
-    from megaulysses.parallel.comm import _local
+    from megaulysses.parallel.grad_reduce import _local
     model, comm = trainer.model, trainer.comm
     if comm.size("pp") == 1 or model.embed is None or \
             model.cfg.untie_embeddings_and_output_weights:

@@ -368,7 +368,7 @@ def test_import_trains_from_the_hf_weights(tmp_path):
     with --lr 0 the saved parameters are exactly the imported ones."""
     import pretrain_gpt
     from megaulysses.config import parse_args
-    from megaulysses.data.build import build_datasets
+    from megaulysses.training.data import build_datasets
     from megaulysses.training.checkpoint import read_model_checkpoint
     model = hf_llama(tmp_path / "hf")
     rc, out, _ = run_convert("from-hf", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ours")

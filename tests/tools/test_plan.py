@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import with_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN = os.path.join(ROOT, "tools", "plan.py")
@@ -29,11 +30,10 @@ def run_plan(args, tmp_path=None):
 
 def base_config(extra=()):
     from megaulysses.config import parse_args
-    from megaulysses.data.build import load_tokenizer
+    from megaulysses.training.data import load_tokenizer
     cfg = parse_args(MODEL + ["--tokenizer-type", "NullTokenizer", "--mock-data",
                               "--micro-batch-size", "1", *extra])
-    cfg.model.vocab_size = load_tokenizer(cfg).vocab_size
-    return cfg
+    return with_vocab(cfg, load_tokenizer(cfg).vocab_size)
 
 
 def test_search_ranks_fitting_grids_fastest_first_and_says_why_others_fail():

@@ -100,10 +100,13 @@ def test_a_different_tokenizer_of_the_same_size_is_refused():
 
 def test_signal_handler_is_on_by_default_under_slurm(monkeypatch):
     from helpers import TINY
-    from megaulysses.config import parse_args
+    from megaulysses.config import parse_args, resolve
+
+    def resolved(flags):
+        return resolve(parse_args(flags), 1, 4096)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert not parse_args(TINY).train.exit_signal_handler
-    assert parse_args(TINY + ["--exit-signal-handler"]).train.exit_signal_handler
+    assert not resolved(TINY).train.exit_signal_handler
+    assert resolved(TINY + ["--exit-signal-handler"]).train.exit_signal_handler
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert parse_args(TINY).train.exit_signal_handler
-    assert not parse_args(TINY + ["--no-exit-signal-handler"]).train.exit_signal_handler
+    assert resolved(TINY).train.exit_signal_handler
+    assert not resolved(TINY + ["--no-exit-signal-handler"]).train.exit_signal_handler

@@ -107,13 +107,13 @@ def train_with_loss_mask_on_cpu() -> str:
 
 @contextlib.contextmanager
 def _loss_mask_left_on_cpu():
-    from megaulysses.training import trainer
-    on = trainer._on
-    trainer._on = lambda b, device: {**on(b, device), "loss_mask": b["loss_mask"]}
+    from megaulysses.training import step
+    on = step._on
+    step._on = lambda b, device: {**on(b, device), "loss_mask": b["loss_mask"]}
     try:
         yield
     finally:
-        trainer._on = on
+        step._on = on
 
 
 def _local(t):

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from dist import run_ranks
+from helpers import with_vocab
 from megaulysses.training import live_bytes
 from megaulysses.training.live_bytes import LiveBytes, storage_bytes
 
@@ -140,7 +141,7 @@ def test_gpt_step_peak_matches_the_allocators_high_water_mark():
     cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "64", "--vocab-size", "500", "--tokenizer-type",
                       "NullTokenizer"])
-    cfg.model.vocab_size = 501  # the NullTokenizer's (vocab + EOD), as the trainer sets it
+    cfg = with_vocab(cfg, 501)  # the NullTokenizer's (vocab + EOD), as the trainer sets it
     model = build_model(cfg.model, cpu_attention, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 500, (2, 65))

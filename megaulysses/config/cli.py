@@ -1,0 +1,169 @@
+"""The command line, generated from the schema: every field's `option(...)` metadata
+becomes its flag(s), in the schema's order, under its help group. Megatron-LM's names.
+
+`parse_args(argv)` returns the flags as given (a frozen `Config`) after `rules.validate`;
+any inconsistency raises `ConfigError(flag, rule)`, which `pretrain_gpt.py` prints as one
+line and turns into exit code 2. Nothing else in the package parses flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+from dataclasses import MISSING, Field, fields
+from typing import Any, Callable, Optional, Sequence
+
+from megaulysses.config.errors import ConfigError
+from megaulysses.config.rules import validate
+from megaulysses.config.fields import Flag
+from megaulysses.config.schema import GROUPS, SECTIONS, Config
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are ConfigErrors: one line naming the flag, exit 2, printed by
+    rank 0 only."""
+
+    def error(self, message):
+        if message.startswith("argument ") and ": " in message:
+            flag, rule = message[len("argument "):].split(": ", 1)
+            raise ConfigError(flag.split("/")[0], rule)
+        if message.startswith("unrecognized arguments: "):
+            first = message.split(": ", 1)[1].split()[0]
+            raise ConfigError(first, "unrecognized argument" + self._did_you_mean(first))
+        raise ConfigError("pretrain_gpt.py", message)
+
+    def _did_you_mean(self, word: str) -> str:
+        if not word.startswith("--"):
+            return " (pretrain_gpt.py takes flags only)"
+        names = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        # Abbreviations are refused (as in Megatron-LM): name the flags it abbreviates.
+        close = [n for n in names if n.startswith(word)] or difflib.get_close_matches(
+            word, names, n=3, cutoff=0.7)
+        return f"; did you mean {' or '.join(close)}?" if close else ""
+
+    def _parse_optional(self, arg_string):
+        # argparse reads "-inf", "-1e-3" as unknown options (its negative-number test knows
+        # only forms like -1 and -.5); as values they reach the flag's own check, which
+        # names the flag.
+        if _is_number(arg_string):
+            return None
+        return super()._parse_optional(arg_string)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, said once: " (default: X)" is appended
+    unless the text already says it in words (e.g. "default: 4*hidden"); switches show
+    on/off, and None shows as "none"."""
+
+    def _get_help_string(self, action):
+        # Python < 3.12 has BooleanOptionalAction add its own "(default: ...)": ours instead.
+        text = (action.help or "").removesuffix(" (default: %(default)s)")
+        if action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.nargs == 0:  # a switch: store_true/false/const, --x/--no-x
+            given = action.default not in (None, False) and (
+                isinstance(action, argparse.BooleanOptionalAction)
+                or action.default == getattr(action, "const", object()))
+            return f"{text} (default: {'on' if given else 'off'})"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return text + " (default: %(default)s)"
+
+
+def positive_int(name: str) -> Callable[[str], int]:
+    """argparse type: an integer > 0 (`name` is the flag, for callers' readability)."""
+    def check(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+        return v
+    return check
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number. nan and inf pass every `x > 0` check and then poison
+    a run (an inf learning rate or epsilon trains NaNs), so no flag takes them."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def _gpu_name(text: str) -> str:
+    """argparse type: a GPU of the planner's table (megaulysses/hardware.py)."""
+    from megaulysses.hardware import UnknownGPU, gpu_spec
+    try:
+        return gpu_spec(text).name
+    except UnknownGPU as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+_ACTIONS = {"optional": argparse.BooleanOptionalAction}
+
+
+def _type(kind: Optional[str], flag: str) -> Optional[Callable[[str], Any]]:
+    return {None: None, "positive": positive_int(flag), "number": finite_float, "int": int,
+            "gpu": _gpu_name}[kind]
+
+
+def _default(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _add_flag(group, f: Field, flag: Flag, default: Any) -> None:
+    names = flag.names or ("--" + f.name.replace("_", "-"),)
+    kw = {"dest": flag.dest or f.name, "default": default, "help": flag.help}
+    if flag.action is not None:
+        kw["action"] = _ACTIONS.get(flag.action, flag.action)
+    optional = {"type": _type(flag.kind, names[0]), "choices": flag.choices,
+                "nargs": flag.nargs, "const": flag.const}
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    group.add_argument(*names, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every field with an `option` becomes its flags, in the schema's order."""
+    # allow_abbrev=False as in Megatron-LM: "--hidden 64" is an error, not --hidden-size.
+    p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names). "
+                "Without any flag: the bundled default run (small Llama-style model on the "
+                "Shakespeare corpus in data/).", formatter_class=_HelpFormatter,
+                allow_abbrev=False)
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
+    for cls, title in SECTIONS.values():
+        for f in fields(cls):
+            for i, flag in enumerate(f.metadata.get("flags", ())):
+                # the field's own flag has its default; extra flags have their own
+                default = _default(f) if i == f.metadata["main"] else flag.default
+                _add_flag(groups[f.metadata["group"] or title], f, flag, default)
+    return p
+
+
+def _pick(cls: type, ns: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if "flags" in f.metadata})
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
+    """The flags as given, checked by every rule that needs no world size or tokenizer."""
+    ns = build_parser().parse_args(argv)
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        raise ConfigError("--num-query-groups", "needs --group-query-attention")
+    if ns.group_query_attention and ns.num_query_groups is None:
+        ns.num_query_groups = 1  # Megatron's default: multi-query attention
+    cfg = Config(**{name: _pick(cls, ns) for name, (cls, _) in SECTIONS.items()})
+    validate(cfg)
+    return cfg

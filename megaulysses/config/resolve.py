@@ -1,0 +1,68 @@
+"""resolve(cfg, world_size, vocab_size) -> RunConfig: the one place where the values that
+follow from other flags, the world size and the tokenizer are filled in, once.
+
+What it fills: the grid (dp from the world size), the global batch (one micro-batch per
+data-parallel rank, times pp under a pipeline), the warm-up iterations, the pipeline
+schedule and stage layout, whether Megatron-SP is in effect (asked for, and tp > 1), the
+recomputed layers, the signal handler (on under SLURM), the vocabulary (padded by
+ModelConfig). Then the rules that need them (rules.check_grid, rules.check_ring).
+The result is frozen: nothing changes it afterwards. Which attention kernel runs depends
+on the device and the installed kernels, not on the flags alone: training/run.py picks it
+from the resolved config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from megaulysses.config.grid import ParallelDims
+from megaulysses.config.rules import (check_grid, check_ring, pipeline_layout, pipeline_schedule,
+                                      warmup_iters)
+from megaulysses.config.schema import Config
+
+
+@dataclass(frozen=True)
+class RunConfig(Config):
+    """A Config with every derived value filled, plus the grid and the stages' layers."""
+    dims: ParallelDims = field(default_factory=lambda: ParallelDims(1, 1, 1, 1))
+    layout: tuple[tuple[int, ...], ...] = ()  # the layers of each pipeline stage, stage 0 first
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
+        t = self.train
+        return t.global_batch_size // (t.micro_batch_size * self.dims.dp)
+
+
+def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
+    """`cfg` completed for `world_size` ranks and a tokenizer of `vocab_size` ids (ConfigError
+    where the grid does not fit the model or the batch). Idempotent."""
+    par = cfg.parallel
+    dims = ParallelDims.from_world(world_size, tp=par.tensor_model_parallel_size,
+                                   pp=par.pipeline_model_parallel_size,
+                                   sp=par.ds_sequence_parallel_size,
+                                   cp=par.context_parallel_size)
+    t = cfg.train
+    train = replace(
+        t, lr_warmup_iters=warmup_iters(t), lr_warmup_fraction=None,
+        # one micro-batch per dp rank (Megatron-LM), and pp of them under a pipeline: every
+        # stage then has one in flight
+        global_batch_size=t.global_batch_size or t.micro_batch_size * dims.dp * dims.pp,
+        # SLURM sends SIGTERM before it kills a job
+        exit_signal_handler=("SLURM_JOB_ID" in os.environ if t.exit_signal_handler is None
+                             else t.exit_signal_handler))
+    parallel = replace(par, pipeline_schedule=pipeline_schedule(par),
+                       tp_sequence_parallel=par.tp_sequence_parallel and dims.tp > 1)
+    mem = cfg.memory
+    full = mem.recompute_granularity == "full"
+    memory = replace(mem, recompute_method=mem.recompute_method or ("uniform" if full else None),
+                     recompute_num_layers=mem.recompute_num_layers or (1 if full else None))
+    model = replace(cfg.model, vocab_size=vocab_size)
+    check_grid(dims, model, train.global_batch_size, train.micro_batch_size,
+               parallel.tp_sequence_parallel, parallel.pipeline_schedule,
+               memory.tiled_mlp_chunks)
+    check_ring(dims, model)
+    layout = tuple(tuple(stage) for stage in pipeline_layout(model.num_layers, parallel))
+    return RunConfig(model=model, data=cfg.data, train=train, log=cfg.log, parallel=parallel,
+                     memory=memory, dims=dims, layout=layout)

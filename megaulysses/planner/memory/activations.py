@@ -1,0 +1,210 @@
+"""The memory plan's activations: what a micro-batch keeps for backward on this rank,
+per layer and outside the layers, under recomputation, and what its backward adds
+(`_Activations`).
+
+Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
+    attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
+    attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
+                 all-gathered whole one); under autocast each linear's e-byte copy, 3*e*T*h
+    core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
+                 k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
+                 (sample, core head) the sum over query blocks of 64 rows of rows*keys,
+                 ~S*(S+64)/2, core heads hq/sp; SDPA / flash: q, k, v, out, e*T*(2hq +
+                 2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout (its
+                 math path): q, k, v + three fp32 S*S per head (probabilities, mask,
+                 dropped); the block kernel of model/attention/block.py (any mask but plain
+                 causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
+                 lse -- no probabilities (plain causal there runs the fused kernel of
+                 model/attention/fused.py, which keeps the same, as SDPA); the ring (cp > 1,
+                 parallel/ring.py, inside Ulysses) the same (its output merged in fp32,
+                 saved in q's dtype), on either kernel;
+                 selective: only the core's inputs (the checkpoint), e*T*(hq +
+                 2kv)*d -- everything else is recomputed in backward
+    out input    the out-projection's input, e*T*hq*d (none without Ulysses when it is the
+                 core's saved output: SDPA's, the block kernel's and the ring's, all laid
+                 out [b, s, h, d], contiguous)
+    mlp norm     as attn norm
+    mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
+    mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
+    dropout      with --hidden-dropout: two fp32 masks, 2 * 4*T'*h
+  --tiled-mlp-chunks N > 1: mlp norm, input and hidden give way to the MLP's input (the
+    residual stream, 4*T'*h) that the per-chunk checkpoints keep.
+  --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
+    block: the first --recompute-num-layers layers of a stage one by one, the rest keep
+    everything.
+Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
+computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps
+the final norm (4*T'*h), the loss's input (e*T*h; under autocast also its e-byte copy of
+the output weight, e*V*h), ~25 bytes a token of statistics and, when the fused cross
+entropy has one chunk (T*V <= 2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a
+non-last pipeline stage keeps its output (4*T'*h) until the micro-batch's backward; the
+first stage under tp the lookup's mask and ids (~9 bytes a token), with dropout the
+embedding's mask (4*T'*h).
+"""
+
+from __future__ import annotations
+
+from megaulysses.config import Config
+from megaulysses.planner.memory.cores import _core_backward, _core_forward, _core_terms
+from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
+
+
+class _Activations:
+    """What a micro-batch keeps for backward on this rank, and what its backward adds."""
+
+    def __init__(self, s: _Shape, cfg: Config, rank: _RankLayout):
+        mem = cfg.memory
+        self.s, self.rank = s, rank
+        self.chunks, self.recompute = mem.tiled_mlp_chunks, mem.recompute_granularity
+        self.terms = _layer_terms(s, self.recompute == "selective", self.chunks)
+        self.layers = rank.layers
+        self.recomputed = 0  # full: the most a group's recomputation adds to what is kept
+        self.rerun = (0, 0)  # full: (layers, groups) whose forward runs again
+        self.layers_kept = sum(self.terms.values()) * self.layers
+        if self.recompute == "full":
+            self._full_recompute(mem)
+        self.per_layer = self.layers_kept // max(1, self.layers)
+        self.head = _head_kept(s) if rank.last else 0
+        self.rotary = 2 * F32 * s.T * s.d // 2 if s.rope and self.layers else 0
+        self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
+        self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
+        if rank.first and s.hidden_dropout:
+            self.embedding += F32 * s.Tr * s.h
+        self.tied = (not cfg.model.untie_embeddings_and_output_weights and rank.first
+                     and rank.last)
+
+    def _full_recompute(self, mem):
+        """Full recomputation, per stage: a checkpointed group keeps its input, the others
+        everything; the worst group's backward adds its layers back in full; which layers
+        (and groups) run forward again."""
+        from megaulysses.parallel.recompute import layer_groups
+        layer = sum(self.terms.values())  # what a layer holds while recomputed
+        self.layers_kept, layers, groups = 0, 0, 0
+        for n in (n for n in self.rank.stage_layers if n):
+            cut = layer_groups(n, mem.recompute_method, mem.recompute_num_layers)
+            kept = [F32 * self.s.Tr * self.s.h if again else (end - a) * layer
+                    for a, end, again in cut]
+            # A group's backward: the groups before it keep theirs, it holds all again.
+            worst = max(sum(kept[:i]) + (end - a) * layer for i, (a, end, _) in enumerate(cut))
+            self.recomputed = max(self.recomputed, worst - sum(kept))
+            self.layers_kept += sum(kept)
+            layers += sum(end - a for a, end, again in cut if again)
+            groups += sum(1 for *_, again in cut if again)
+        self.rerun = (layers, groups)
+
+    def per_micro_batch(self) -> int:
+        return self.layers_kept + self.head + self.output + self.embedding + self.rotary
+
+    def last_layer_kept(self) -> int:
+        """What the last layer's backward frees (full: a recomputed group frees what it
+        brought back, counted as transient)."""
+        return 0 if self.recompute == "full" else self.per_layer
+
+    def backward_moments(self) -> dict:
+        """{moment: this micro-batch's activations + its backward's temporaries} at the
+        moments of its backward where the peak can be (the module doc's list)."""
+        s, kept = self.s, self.per_micro_batch()
+        out = {"head backward": kept + self._head_backward()} if self.rank.last else {}
+        live = kept - self.head + self.recomputed  # the head's tensors are freed by now
+        if self.tied:  # the loss's gradient of the tied embedding waits for the lookup's
+            live += F32 * s.V * s.h
+        stream = F32 * s.Tr * s.h  # the residual stream's gradient
+        if self.rank.last:  # and the loss's input gradient, still referenced (measured)
+            stream += F32 * s.Tr * s.h
+        # Megatron-SP: fc2's reduce-scatter's backward all-gathers that gradient (per chunk
+        # when tiled); it lives through fc2's backward, and recomputation runs meanwhile.
+        gathered = F32 * s.T * s.h // self.chunks if s.mega_sp else 0
+        mlp = 2 * s.e * s.T * s.f // self.chunks + stream + gathered
+        if self.chunks > 1:  # one chunk of the MLP recomputed; the chunks' input gradients
+            mlp += sum(_mlp_terms(s).values()) // self.chunks + F32 * s.Tr * s.h
+        out["mlp backward"] = live + mlp
+        freed = sum(v for k, v in self.terms.items() if k.startswith("mlp") or k == "out input")
+        core = _core_backward(s)
+        if self.recompute == "selective":  # the core's internals again (the ring's and the
+            # masked kernel's inputs are the checkpoint's, already kept)
+            core += sum(_core_terms(s).values()) - (
+                s.e * (s.Q + 2 * s.K) if s.kernel in ("ring", "masked") else 0)
+        out["core backward"] = live - freed + stream + core
+        # q, k and v's input gradients summed: two partial sums and the total at once (under
+        # tensor parallelism DTensor's accumulation is out of place; else in place, two).
+        core_in = sum(v for k, v in self.terms.items() if k.startswith("core"))
+        qkv = s.e * s.T * (s.hq + 2 * s.kv) * s.d + (3 if s.tp > 1 else 2) * F32 * s.T * s.h
+        out["qkv backward"] = live - freed - core_in + stream + qkv
+        if self.recompute == "full" and (s.sp > 1 or _core_forward(s)):
+            # the caller's q, k, v before the all-to-all, beside the core's forward working
+            # set, then the output all-to-all's packing
+            ulysses = s.e * s.T * (s.hq + 2 * s.kv) * s.d if s.sp > 1 else 0
+            packing = s.e * s.T * s.hq * s.d if s.sp > 1 else 0
+            out["attention recomputed"] = live - self._mlp_of_layer() + stream + ulysses + max(
+                packing, _core_forward(s))
+        return out
+
+    def _mlp_of_layer(self) -> int:
+        return sum(v for k, v in self.terms.items() if k.startswith("mlp"))
+
+    def _head_backward(self) -> int:
+        """The loss's backward on top of everything kept (see the module doc)."""
+        s = self.s
+        rows = min(s.T, s.ce_rows)
+        chunk = 0 if s.ce_kept else F32 * rows * s.V  # recomputed (else counted as kept)
+        prev = F32 * min(rows, s.T - rows) * s.V if s.T > rows else 0
+        both = (F32 + s.e) / F32 if s.e != F32 else 1  # a chunk in two dtypes at once
+        cast = s.e * rows * s.V if s.e != F32 else 0  # dlogits in the matmul dtype
+        largest = max(F32 * s.h * s.V + s.e * s.h * rows + chunk + cast,  # a dW product
+                      int((prev + chunk) * both),  # the next chunk's exps
+                      s.e * s.V * s.h + chunk + cast)  # the final dW
+        return F32 * s.h * s.V + s.e * s.T * s.h + 3 * F32 * s.T + largest
+
+
+def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
+    """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
+    t = {"attn norm": _norm(s), "attn input": _linear_input(s, 3)}
+    if selective:
+        t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
+    else:
+        t.update(_core_terms(s))
+    if not _core_out_is_saved(s, selective):
+        t["out input"] = s.e * s.T * s.hq * s.d
+    if chunks > 1:
+        t["mlp (tiled) input"] = F32 * s.Tr * s.h
+    else:
+        t.update(_mlp_terms(s))
+    if s.hidden_dropout:
+        t["dropout masks"] = 2 * F32 * s.Tr * s.h
+    return t
+
+
+def _core_out_is_saved(s: _Shape, selective: bool) -> bool:
+    """The out-projection's input is the very tensor the core saves (no Ulysses between
+    them, no recomputation): SDPA's output; the masked kernel's and the ring's, both saved
+    in q's dtype and laid out [b, s, h, d], contiguous, so that the projection's reshape is
+    a view."""
+    if selective or s.sp > 1:
+        return False
+    return s.kernel in ("sdpa", "fused", "masked", "ring")
+
+
+def _norm(s: _Shape) -> int:
+    return F32 * s.Tr * (s.h + (2 if s.layernorm else 1))
+
+
+def _linear_input(s: _Shape, linears: int) -> int:
+    """The normed input saved by the linears reading it: one fp32 tensor, or under
+    autocast each linear's own e-byte copy."""
+    return (linears * s.e if s.e != F32 else F32) * s.T * s.h
+
+
+def _mlp_terms(s: _Shape) -> dict:
+    return {"mlp norm": _norm(s), "mlp input": _linear_input(s, 2 if s.swiglu else 1),
+            "mlp hidden": (4 if s.swiglu else 2) * s.e * s.T * s.f}
+
+
+def _head_kept(s: _Shape) -> int:
+    """Final norm, the loss's input (and its e-byte weight copy), its per-token
+    statistics, and the one chunk of exps it keeps when everything fits in one."""
+    out = _norm(s) + s.e * s.T * s.h + 25 * s.T
+    if s.e != F32:
+        out += s.e * s.V * s.h
+    if s.ce_kept:
+        out += F32 * s.T * s.V
+    return out

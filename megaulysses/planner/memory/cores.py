@@ -1,0 +1,184 @@
+"""The memory plan's attention cores: what each kernel keeps for backward (`_core_terms`)
+and its forward and backward working sets beyond that.
+
+The block kernel's and the ring's working sets (measured, tests/parallel/test_memory_plan.py;
+"a block": one query block's fp32 scores over the most keys it attends in one call, by the
+static mask -- causal: all S; window w: (ceil((w-1)/B) + 1)*B for blocks of B; the ring per
+step, from the zigzag chunks' positions (`_ring_keys`): ring rank c < C-1 meets a later
+rank's S/C keys, all attended by its late chunk, the last rank S/(2C) per later step
+(`plan_memory(cp_rank=...)`); a sparse layout: its most attended blocks -- per sample with
+packed documents. One block is alive at a time (each is dropped before the next): forward
+its scores, backward its P and dS; under autocast also half a block, a half-dtype matmul
+product or cast beside them; plus the block's element mask, a byte per score):
+    masked backward      dout; q scaled, k, v grouped (copies), dout grouped under GQA,
+                         e*(Q + 2K (+ Q)); fp32 dq, dk, dv, 4*(Q + 2K), accumulated in
+                         their returned layout; a block; row statistics
+    masked forward       q scaled, k, v grouped, a block; the output is written block by
+                         block into the kept one (q's dtype, [b, s, hq, d])
+    ring backward        the largest of its first step, a later one and a later one with
+                         keys arriving: dout (its fp32 copy under autocast); the step's
+                         partial_backward (q scaled, k, v grouped, dout grouped in fp32
+                         under GQA, its fp32 dq, dk, dv shares, a block); the keys and
+                         values arriving for the next step (all steps but the last); later
+                         steps also dq's accumulator, the step's received keys and values,
+                         the last step's dk, dv shares in flight (sent as they are) and the
+                         accumulators arriving, 4*4K
+    ring forward         the largest of the same three steps: partial_forward's grouped
+                         copies and a block, the running fp32 out (beyond the kept one,
+                         e*Q, cast at the end), the keys and values arriving; later steps
+                         also those received and the step's partial out and lse, 4*Q (merged
+                         into the running ones in place, no temporaries of out's size)
+The ring on the fused kernel (a plain causal mask; measured exactly, per ring rank: its
+later steps take all query rows x half the keys, or half the rows x all keys):
+    ring backward        the largest later step at the kernel's return: dout, dq's fp32
+                         accumulator, the received keys and values and those arriving (all
+                         steps but the last), the fp32 dk, dv accumulators in flight and
+                         arriving, 4*4K, and the kernel's shares in q's dtype for its rows and
+                         keys (the kernel's own scratch is no tensor on CPU)
+    ring forward         the largest later step at its merge: the running fp32 out beyond
+                         the kept one, the received keys and values and those arriving, the
+                         step's partial out (q's dtype; and its fp32 copy under autocast) and
+                         lse for its rows, and the merge's four lse-sized temporaries
+"""
+
+from __future__ import annotations
+
+from megaulysses.model.attention.block_causal import BLOCK_ROWS
+from megaulysses.planner.memory.shapes import F32, _Shape
+
+
+def _core_terms(s: _Shape) -> dict:
+    qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
+    square = F32 * s.b * s.core_heads * s.S * s.S
+    if s.kernel == "block":
+        return {"core q,k,v,out": F32 * qkv_out, "core probabilities": F32 * _probs(s)}
+    if s.kernel == "math":
+        return {"core q,k,v,out": F32 * qkv_out, "core probabilities": square}
+    if s.kernel == "sdpa-math":
+        return {"core q,k,v": s.e * s.T * (s.hq + 2 * s.kv) * s.d,
+                "core probabilities": 3 * square}
+    return {"core q,k,v,out": s.e * qkv_out, "core logsumexp": s.lse}  # sdpa, masked, ring
+
+
+def _probs(s: _Shape) -> int:
+    """Elements of the block kernel's causal probabilities: per (sample, head) each query
+    block's rows times the keys up to its end."""
+    blocks = ((i, min(i + BLOCK_ROWS, s.S)) for i in range(0, s.S, BLOCK_ROWS))
+    return s.b * s.core_heads * sum((end - i) * end for i, end in blocks)
+
+
+def _core_backward(s: _Shape) -> int:
+    """The core's backward working set beyond what it keeps: dq, dk, dv, dout (and the
+    block kernel's two gradient blocks of 64 query rows; the masked kernel's and the ring's
+    below)."""
+    qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
+    if s.kernel == "block":
+        return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
+    if s.kernel == "masked":
+        return _masked_backward(s)
+    if s.kernel == "ring":
+        return _ring_fused_backward(s) if s.fused else _ring_backward(s)
+    return s.e * qkv
+
+
+def _masked_backward(s: _Shape) -> int:
+    """model/attention/block.py's partial_backward over the whole sequence (measured): dout;
+    q grouped and scaled, k, v grouped (copies); dout grouped (a copy with GQA); fp32 dq,
+    dk, dv; one query block's P and dS (`_Shape.scores`); row statistics and masks."""
+    e = s.e
+    grouped = e * s.Q + 2 * e * s.K + (e * s.Q if s.rep > 1 else 0)  # q, k, v, dout
+    grads = F32 * (s.Q + 2 * s.K)
+    return e * s.Q + grouped + grads + _block_set(s, s.keys)
+
+
+def _block_set(s: _Shape, keys: int, backward: bool = True) -> int:
+    """One query block of `keys` keys (`_Shape.scores`) and the kernels' small change
+    (measured): backward delta and the lse made +inf where it is -inf (with GQA also
+    delta's grouped copy), the block's element mask, a byte per score of its block * rep
+    rows by its keys, and a block's rows of a gradient, fp32; forward the larger of the
+    mask and its negation (autocast: the mask) and a block's output."""
+    out_rows = F32 * (1 if s.documents else s.b) * s.core_heads * s.block * s.d
+    if not backward:  # at the scores' masking (fp32) or cast (autocast), or at the output
+        return s.scores(keys, False) + max(
+            (2 if s.e == F32 else 1) * s.block * s.rep * keys, out_rows)
+    return (s.scores(keys) + (2 + (1 if s.rep > 1 else 0)) * s.lse
+            + s.block * s.rep * keys + out_rows)
+
+
+def _ring_backward(s: _Shape) -> int:
+    """parallel/ring.py's backward (measured), the largest of its first step and its later
+    ones (with and without keys arriving): dout (and its fp32 copy under autocast); the
+    step's partial_backward: q scaled, k, v grouped, dout grouped (fp32, with GQA), its
+    fp32 dq, dk, dv shares, one query block's P and dS; the keys and values arriving for
+    the next step (all steps but the last). Later steps also: dq's accumulator, the step's
+    received keys and values, the last step's dk, dv in flight (sent as they are, held
+    until the next step's wait) and the accumulators arriving, 4*4K."""
+    e, kv = s.e, 2 * s.e * s.K
+    common = (e * s.Q + (F32 * s.Q if e != F32 else 0)  # dout, fp32
+              + e * s.Q + kv + (F32 * s.Q if s.rep > 1 else 0)  # grouped
+              + F32 * (s.Q + 2 * s.K))  # the step's shares
+    later = common + F32 * s.Q + kv + 4 * F32 * s.K  # dq's sum, received, in flight
+    return max(common + kv + _block_set(s, s.keys),
+               later + _block_set(s, s.keys_later),
+               later + kv + _block_set(s, s.keys_arriving) if s.keys_arriving else 0)
+
+
+def _core_forward(s: _Shape) -> int:
+    """The core's forward working set beyond what it keeps (0 where small): the masked
+    kernel's q scaled, k, v grouped, one query block's scores (`_Shape.scores`), its output
+    written in place into the kept one; the ring at a step's scores: partial_forward's
+    grouped copies, the running fp32 out beyond the kept one (autocast: cast at the end),
+    the keys and values arriving (all steps but the last) and, later steps, those received
+    and the step's partial out and lse (merged into the running ones in place)."""
+    e, kv = s.e, 2 * s.e * s.K
+    grouped = e * s.Q + kv  # q scaled, k, v
+    if s.kernel == "masked":
+        return grouped + _block_set(s, s.keys, backward=False)
+    if s.kernel != "ring":
+        return 0
+    if s.fused:
+        return _ring_fused_forward(s)
+    common = grouped + (F32 - e) * s.Q
+    later = common + kv + F32 * s.Q + s.lse  # received, the step's partial
+    return max(common + kv + _block_set(s, s.keys, False),
+               later + _block_set(s, s.keys_later, False),
+               later + kv + _block_set(s, s.keys_arriving, False) if s.keys_arriving else 0)
+
+
+def _fused_ring_steps(s: _Shape) -> list[tuple[float, float, bool]]:
+    """The fused ring's later steps t = 1..C-1 on ring rank s.cp_rank (parallel/ring.py's
+    `fused_step`): (share of the query rows, share of the keys, the next keys arriving):
+    an earlier rank's keys: all rows x its early chunk; a later rank's: the late chunk x
+    all its keys."""
+    c, C = s.cp_rank, s.cp
+    return [((1.0, 0.5) if (c - t) % C < c else (0.5, 1.0)) + (t < C - 1,)
+            for t in range(1, C)]
+
+
+def _ring_fused_backward(s: _Shape) -> int:
+    """parallel/ring.py's backward on the fused kernel (measured), the largest of its later
+    steps at the kernel's return (step 0 holds less): dout; dq's fp32 accumulator; the
+    step's received keys and values and those arriving for the next step (all but the
+    last); the last step's fp32 dk, dv accumulators in flight and those arriving, 4*4K;
+    the kernel's dq, dk, dv shares in q's dtype, for its rows and keys only. (A kernel's own
+    scratch is not counted: on CPU it is no tensor.)"""
+    e, kv = s.e, 2 * s.e * s.K
+    held = e * s.Q + F32 * s.Q + kv + 4 * F32 * s.K
+    return max(held + (kv if arriving else 0) + int(e * (rows * s.Q + 2 * keys * s.K))
+               for rows, keys, arriving in _fused_ring_steps(s))
+
+
+def _ring_fused_forward(s: _Shape) -> int:
+    """parallel/ring.py's forward on the fused kernel, the largest of its later steps at
+    the merge: the running fp32 out beyond the kept one, the step's received keys and
+    values and those arriving (all but the last); the kernel's partial out (q's dtype) and
+    lse for its rows, the out's fp32 copy (16-bit) and the merge's four lse-sized
+    temporaries."""
+    e, kv = s.e, 2 * s.e * s.K
+    held = (F32 - e) * s.Q + kv
+
+    def partial(rows: float) -> int:
+        return int(rows * ((e + (F32 if e != F32 else 0)) * s.Q + 5 * s.lse))
+
+    return max(held + (kv if arriving else 0) + partial(rows)
+               for rows, _, arriving in _fused_ring_steps(s))

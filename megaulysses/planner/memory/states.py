@@ -1,0 +1,192 @@
+"""The memory plan's model states: parameters, gradients, AdamW's states, ZeRO's shards and
+working sets, the gradient buckets (`_States`).
+
+Model states, per rank (rank 0 of dp x cp x sp): P = fp32 bytes of its parameters (its
+stage, its tp shard); ZeRO over N = dp*cp*sp (the ranks that see different tokens) cuts each
+along dim 0 into ceil(rows/N)-row pieces.
+    parameters  stage 0/1: P; 2/3: the padded piece;
+                + autocast's cached e-byte copies of the blocks' weights (stages 0/1);
+                + FSDP's gathered copies (compute dtype): stage 2 (and 2/3 under pp)
+                everything, stage 3 the root unit (embedding, final norm, output layer)
+                and one block at the loss's backward, two (this one and the prefetched
+                one) during a block's backward
+    gradients   stage 0/1 (and 2/3 under pp) P from a step's first backward on, in place;
+                stage 2/3 the piece, plus a block's unsharded gradients during its
+                backward; the last layer's fresh gradients in a step's first backward
+    optimizer   AdamW's two fp32 moments of the rank's rows + 4 bytes of step per tensor
+    reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
+                all all-reduces end, + P; stage 1: earlier buckets in flight, the last
+                one's gradients, padded pieces and their concatenation; at the step the
+                reduced rows and the all-gather of the updated rows (N pieces); FSDP: a
+                block's reduce-scatter input (padded, reduce dtype) beside its gradients
+    pipeline    torch's receive buffers, one per micro-batch and direction (4*T'*h each);
+                the step's micro-batches (28 bytes a token; with packed documents also
+                their int32 ids of the whole samples, 4*b*S, on every rank), twice under
+                pp (concatenated)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaulysses.config import Config, pipeline_layout
+from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.grad_reduce import BUCKET_BYTES
+from megaulysses.parallel.tensor import BLOCK_LINEARS, VOCAB_PARALLEL
+from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
+
+# parallel/tensor.py's plan: these weights are split by rows (dim 0; their biases too),
+# those by columns (dim 1; their biases stay whole); everything else is replicated.
+_COLWISE = tuple(f"{name}." for name, kind in BLOCK_LINEARS.items() if kind == "colwise") + \
+    tuple(f"{name}." for name in VOCAB_PARALLEL)
+_ROWWISE = tuple(f"{name}." for name, kind in BLOCK_LINEARS.items() if kind == "rowwise")
+
+
+_PARAMS_CACHE: dict = {}  # (model config, layout, stages) -> [(name, shape)]; the
+# planner's grid search plans many grids of one model (a meta GPT takes ~50 ms to build)
+
+
+def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> list[tuple]:
+    """(name, tensor-parallel local shape) of every parameter this pipeline rank holds:
+    the GPT built on the meta device and cut to the rank's stages as parallelize does."""
+    layout = pipeline_layout(cfg.model.num_layers, cfg.parallel) if dims.pp > 1 else None
+    key = (repr(cfg.model), repr(layout), rank.ids)
+    if key not in _PARAMS_CACHE:
+        from megaulysses.model.gpt import GPT
+        from megaulysses.parallel.pipeline import keep_stages
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        if layout is not None:
+            keep_stages(model, layout, list(rank.ids))
+        if len(_PARAMS_CACHE) >= 256:
+            _PARAMS_CACHE.clear()
+        _PARAMS_CACHE[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [(n, _tp_local(n, shape, dims.tp)) for n, shape in _PARAMS_CACHE[key]]
+
+
+def _tp_local(name: str, shape: tuple, tp: int) -> tuple:
+    if tp > 1 and any(k in name for k in _COLWISE):
+        return (shape[0] // tp,) + shape[1:]
+    if tp > 1 and any(k in name for k in _ROWWISE) and name.endswith("weight"):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """fp32 bytes of some parameters: whole (tp shards), one rank's ZeRO piece (padded to
+    ceil(rows/N) rows, as FSDP stores and collectives move it), rank 0's actual rows."""
+
+    whole: int
+    piece: int
+    rows: int
+
+    @classmethod
+    def of(cls, shapes: list, n: int) -> "_Sizes":
+        chunk = lambda sh: -(-sh[0] // n)  # noqa: E731
+        return cls(whole=F32 * sum(math.prod(sh) for sh in shapes),
+                   piece=F32 * sum(chunk(sh) * math.prod(sh[1:]) for sh in shapes),
+                   rows=F32 * sum(min(chunk(sh), sh[0]) * math.prod(sh[1:]) for sh in shapes))
+
+
+class _States:
+    """Parameters, gradients and optimizer states of this rank (rank 0 of dp x cp x sp), and
+    the ZeRO working sets, in bytes (the module doc's "Model states")."""
+
+    def __init__(self, params: list, stage: int, n: int, pipeline: bool, s: _Shape,
+                 cfg: Config):
+        self.stage, self.n, self.pipeline = stage, n, pipeline
+        half = cfg.train.bf16 or cfg.train.fp16
+        first_block = next((_block(name) for name, _ in params if _block(name)), None)
+        block = [(name, sh) for name, sh in params if _block(name) == first_block]
+        everything = _Sizes.of([sh for _, sh in params], n)
+        self.local, self.piece = everything.whole, everything.piece
+        self.block = _Sizes.of([sh for _, sh in block], n).whole
+        self.block_mlp = _Sizes.of([sh for name, sh in block if ".mlp." in name], n).whole
+        self.block_padded = n * _Sizes.of([sh for _, sh in block], n).piece
+        root = _Sizes.of([sh for name, sh in params if not _block(name)], n)
+        tied = not cfg.model.untie_embeddings_and_output_weights
+        self.head_grads = _Sizes.of([sh for name, sh in params if name.startswith("head.")
+                                     or (tied and name.startswith("embed.word"))], n).whole
+        self.root, self.root_piece = root.whole, root.piece
+        self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
+                                 for _, sh in params])
+        self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
+        self.held_params = self.piece if stage >= 2 else self.local
+        # autocast caches e-byte copies of the blocks' linear weights, saved for backward
+        self.cast_copies = (2 * sum(math.prod(sh) for name, sh in params
+                                    if _block(name) and len(sh) == 2)
+                            if half and stage < 2 else 0)
+        self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
+        self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
+
+    @property
+    def fsdp_per_block(self) -> bool:
+        """Stages 2/3 without pp: FSDP gathers and reduce-scatters block by block, every
+        micro-batch; under pp it does so once a step, like stage 0 in between."""
+        return self.stage >= 2 and not self.pipeline
+
+    def grads_accumulated(self) -> int:
+        """Gradients held after a micro-batch's backward, before the step's last one."""
+        return self.piece if self.fsdp_per_block else self.local
+
+    def gathered(self, blocks: int) -> int:
+        """Parameters FSDP holds unsharded (compute dtype): everything (stage 2, and 2/3
+        under pp), or (stage 3) the root unit and `blocks` blocks."""
+        if self.stage < 2:
+            return 0
+        if self.pipeline or self.stage == 2:
+            return self.local * self.gather_e // F32
+        return (self.root + blocks * self.block_padded) * self.gather_e // F32
+
+    def new_grads(self, done: int, later: bool) -> int:
+        """Gradients the last layer's backward has made so far (`done` bytes of its
+        parameters) beyond what is held: fresh in a step's first backward, accumulated in
+        place later; FSDP makes them unsharded in the compute dtype in every backward."""
+        if self.fsdp_per_block:
+            return done * self.gather_e // F32
+        return 0 if later else done
+
+    def block_reduce_scatter(self) -> int:
+        """FSDP reduce-scattering a block's gradients: the flat input (padded, reduce
+        dtype) beside the unsharded gradients, then beside the output."""
+        if self.stage < 2:
+            return 0
+        rs_in = self.block_padded * self.reduce_e // F32
+        return rs_in + max(self.block * self.gather_e // F32, rs_in // self.n)
+
+    def reduction(self) -> dict:
+        """{moment: (gradients, working set)} of the dp x cp x sp reduction and the step."""
+        if self.n == 1 or self.stage >= 2:
+            return {"step": (self.grads_accumulated(), 0)}
+        last_local, last_padded = self.buckets[-1]
+        if self.stage == 0:  # each bucket's flat copy, cast from an fp32 concatenation
+            flats = sum(b for b, _ in self.buckets) * self.reduce_e // F32
+            return {"reduction": (self.local, flats + (last_local if self.reduce_e != F32
+                                                       else 0))}
+        earlier = (sum(b for _, b in self.buckets) - last_padded) * self.reduce_e // F32
+        return {"reduction": (last_local, earlier + 2 * last_padded),
+                "step": (self.piece, (1 + self.n) * self.piece)}
+
+
+def _block(name: str) -> Optional[str]:
+    """The layer index of a block's parameter, None for the root unit's."""
+    return name.split(".")[1] if name.startswith("layers.") else None
+
+
+def _buckets(sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """grad_reduce._make_buckets over (bytes, padded bytes) per parameter: in reverse order, a
+    bucket closed once it reaches BUCKET_BYTES; both sums per bucket."""
+    buckets, local, padded = [], 0, 0
+    for n, n_padded in reversed(sizes):
+        local, padded = local + n, padded + n_padded
+        if local >= BUCKET_BYTES:
+            buckets.append((local, padded))
+            local, padded = 0, 0
+    if local:
+        buckets.append((local, padded))
+    return buckets or [(0, 0)]

@@ -1,0 +1,131 @@
+"""What a run tells its user: the start-up lines (model, grid, ZeRO, memory plan,
+pipeline) and one line (and metrics record) per --log-interval iterations."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from megaulysses.model.gpt import count_parameters, parameter_count
+from megaulysses.parallel.dims import CP, DP_SP, PP
+from megaulysses.planner.memory import format_plan, plan_memory
+from megaulysses.training.checkpoint import TrainState
+from megaulysses.training.metrics import format_duration, memory_stats
+from megaulysses.training.optim import LossScaler
+from megaulysses.training.run import Run
+
+log = logging.getLogger(__name__)
+
+COMM_KEYS = {"all_to_all": "a2a"}  # metric names of the collectives' kinds, where shorter
+ZERO_SHARDS = {0: "nothing sharded", 1: "optimizer states sharded",
+               2: "optimizer states and gradients sharded",
+               3: "optimizer states, gradients and parameters sharded"}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+class Window:
+    """Sums over the iterations between two log lines."""
+
+    def __init__(self) -> None:
+        self.steps = self.skipped = self.tokens = 0
+        self.loss = self.grad_norm = self.time = 0.0
+
+    def add(self, r: Any, seconds: float, tokens: int) -> None:
+        """`r`: a step.StepResult."""
+        self.steps += 1
+        self.skipped += int(r.skipped)
+        self.tokens += tokens  # every token processed, loss-masked or not (as Megatron)
+        self.loss += r.loss
+        self.grad_norm += 0.0 if r.skipped else r.grad_norm
+        self.time += seconds
+
+
+def log_startup(run: Run) -> None:
+    """The model, the grid, ZeRO, recomputation, the memory plan and the pipeline."""
+    m, d = run.cfg.model, run.cfg.dims
+    style = (f"{m.position_embedding_type}, {m.normalization}, "
+             f"{'SwiGLU' if m.swiglu else 'GeLU'}, {'bias' if m.add_bias_linear else 'no bias'}, "
+             f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings")
+    log.info("model: %d layers, hidden %d, ffn %d, %d heads / %d kv heads, seq %d, "
+             "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",
+             m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
+             m.seq_length, m.vocab_size, m.padded_vocab_size, style,
+             parameter_count(m) / 1e6, run.backend, run.dtype, run.device)
+    log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses) x cp %d (ring)%s",
+             d.world, d.dp, d.tp, d.pp, d.sp, d.cp, "; Megatron sequence parallel in tp" if
+             run.cfg.parallel.tp_sequence_parallel else "")
+    _log_zero(run)
+    _log_memory(run)
+    parts = run.parts
+    if parts.pipeline is not None:
+        layout = run.cfg.layout
+        log.info("pipeline: %s schedule, %d micro-batches per step, %d stages (%d per "
+                 "rank), layers per stage %s; the first stage holds %.2fM parameters",
+                 run.cfg.parallel.pipeline_schedule, parts.pipeline.n_micro, len(layout),
+                 len(layout) // d.pp, [len(s) for s in layout],
+                 count_parameters(parts.model) / 1e6)
+
+
+def _log_zero(run: Run) -> None:
+    asked, n, stage = run.cfg.parallel.zero_stage, run.comm.size(DP_SP), run.parts.zero_stage
+    if asked and not stage:
+        log.info("zero: --zero-stage %d has nothing to shard over (dp x sp = 1): stage 0",
+                 asked)
+    held = run.parts.zero.held_bytes()
+    log.info("zero: stage %d over dp x sp = %d ranks (%s); model states held now: "
+             "parameters %s; gradients and optimizer states appear at the first step "
+             "and are logged every --log-interval", stage, n, ZERO_SHARDS[stage],
+             _mib(held["params"]))
+
+
+def _log_memory(run: Run) -> None:
+    mem = run.cfg.memory
+    recompute = {None: "off", "selective": "selective (the attention core)",
+                 "full": f"full ({mem.recompute_method}, {mem.recompute_num_layers} "
+                         f"layer{'s' if mem.recompute_num_layers != 1 else ''})"}
+    log.info("memory: recomputation %s; MLP %s", recompute[mem.recompute_granularity],
+             f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
+             else "not tiled")
+    log.info("%s", format_plan(plan_memory(run.cfg, run.cfg.dims, run.comm.rank(PP),
+                                           run.device.type, cp_rank=run.comm.rank(CP))))
+
+
+def iteration_record(run: Run, state: TrainState, w: Window, flops: float, peak: float,
+                     start_iter: int, t_start: float, scaler: Any) -> dict:
+    """The metrics of the last `w.steps` iterations (and the log line saying them)."""
+    it, parts = state.iteration, run.parts
+    step_time = w.time / w.steps
+    tflops = flops / step_time / run.cfg.dims.world / 1e12  # per device, as Megatron
+    eta = (time.perf_counter() - t_start) / (it - start_iter) * (run.cfg.train.train_iters - it)
+    rec = {"iteration": it, "consumed_samples": state.consumed_train_samples,
+           "loss": w.loss / w.steps, "lr": parts.zero.optimizer.param_groups[0]["lr"],
+           "grad_norm": w.grad_norm / max(1, w.steps - w.skipped),
+           "step_time_s": step_time, "tokens_per_sec": w.tokens / w.time,
+           "tflops_per_device": tflops, "mfu": tflops / peak,
+           "skipped_iterations": state.skipped_iterations, **memory_stats(run.device)}
+    for kind, nbytes in parts.zero.pop_peak().items():  # model states held by this rank
+        rec[f"mem_{kind}_bytes"] = nbytes
+    for kind, nbytes in run.comm.pop_busiest_bytes().items():  # per iteration
+        rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
+    if isinstance(scaler, LossScaler):
+        rec["loss_scale"] = scaler.scale
+    _log_line(rec, run.cfg.train.train_iters, format_duration(eta))
+    return rec
+
+
+def _log_line(rec: dict, train_iters: int, eta: str) -> None:
+    comm = " | ".join(f"{k[len('comm_bytes_'):]} {v / 2**20:.1f} MiB/it"
+                      for k, v in rec.items() if k.startswith("comm_bytes_"))
+    log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
+             "%.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | skipped %d | "
+             "mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s | ETA %s",
+             rec["iteration"], train_iters, rec["consumed_samples"], rec["loss"], rec["lr"],
+             rec["grad_norm"], 1e3 * rec["step_time_s"], rec["tokens_per_sec"],
+             rec["tflops_per_device"], 100 * rec["mfu"], rec["skipped_iterations"],
+             rec["mem_peak_gib"],
+             *(rec.get(f"mem_{k}_bytes", 0) / 2**20 for k in ("params", "grads", "optim")),
+             f" | {comm}" if comm else "", eta)

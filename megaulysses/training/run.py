@@ -1,0 +1,143 @@
+"""Building a run: from the flags to everything the loop needs, once (`build_run`).
+
+The order matters and is the same for every caller: seeds, device, determinism and TF32
+(before the process group and the first matmul), output checks (refusing is quick), the
+process group, the tokenizer, `resolve` (the frozen RunConfig: every derived value and
+every grid rule), the attention kernel for this device, the mesh, the data, then the model
+on the meta device, parallelized. `--dry-run` shares `resolve_run` and `attention_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from megaulysses.config import Config, ConfigError, RunConfig, resolve
+from megaulysses.data.loader import BatchBuilder
+from megaulysses.data.tokenizer import Tokenizer
+from megaulysses.model.attention import mask_from_config, select_backend
+from megaulysses.model.gpt import GPT
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import CP, DP, SP, build_mesh, init_distributed
+from megaulysses.parallel.parallelize import Parallelized, parallelize
+from megaulysses.parallel.ring import local_positions
+from megaulysses.training import determinism, precision
+from megaulysses.training.data import build_datasets, load_tokenizer
+from megaulysses.training.device import pick_device
+from megaulysses.training.optim import adamw, param_groups
+from megaulysses.training.outputs import check_outputs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What a training run is made of; built once by `build_run`."""
+    cfg: RunConfig
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype (autocast); weights stay fp32
+    rank: int
+    comm: Comm
+    timeout: timedelta  # of every collective
+    tokenizer: Tokenizer
+    backend: str  # the attention backend in effect, for the log
+    data: tuple[Optional[BatchBuilder], ...]  # train, valid, test (None: an empty split)
+    parts: Parallelized  # this rank's model, pipeline, ZeRO and optimizer
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def seed_everything(seed: int) -> None:
+    """Dropout and sampling draw from these; initial weights have their own generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_run(cfg: Config, world: int) -> tuple[RunConfig, Tokenizer]:
+    """The frozen run config for `world` ranks and the tokenizer that sets its vocabulary."""
+    tokenizer = load_tokenizer(cfg)
+    return resolve(cfg, world, tokenizer.vocab_size), tokenizer
+
+
+def attention_backend(cfg: RunConfig, device: torch.device,
+                      dtype: torch.dtype) -> tuple[str, Callable]:
+    """--attention-backend for the model's mask on this device; ConfigError where it cannot
+    run it. Under ring attention (cp > 1) the ring runs its own kernels whatever is chosen
+    (rules.validate refuses other backends): a fused one for plain causal or full steps
+    (model/attention/fused.py), the block kernel for masks."""
+    m = cfg.model
+    try:
+        name, core = select_backend(m.attention_backend, device, dtype, mask_from_config(m),
+                                    cfg.data.reset_attention_mask, m.attention_dropout)
+    except ValueError as e:
+        flag, rule = str(e).split(": ", 1)
+        raise ConfigError(flag, rule) from None
+    if cfg.dims.cp > 1:
+        log.info("attention: ring over cp = %d: plain causal or full steps on a fused kernel, "
+                 "masked steps on the block kernel", cfg.dims.cp)
+        name = "ring"
+    return name, core
+
+
+def build_run(cfg: Config) -> Run:
+    """Everything a training run needs, checked and built in order (module docstring)."""
+    t = cfg.train
+    seed_everything(t.seed)
+    device = pick_device()
+    # before the process group and the first matmul: NCCL and cuBLAS read it then
+    log.info("%s", determinism.configure(t.deterministic, device))
+    log.info("%s", precision.configure_tf32(device))  # before peak_tflops reads it
+    dtype = compute_dtype(cfg)
+    check_outputs(cfg)  # before anything is built: refusing is quick
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    rank, world = init_distributed(device, timeout)
+    run_cfg, tokenizer = resolve_run(cfg, world)
+    backend, core = attention_backend(run_cfg, device, dtype)
+    comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
+    data = _build_data(run_cfg, rank, comm, tokenizer)
+    with torch.device("meta"):
+        model = GPT(run_cfg.model, core)
+    parts = parallelize(model, comm, run_cfg, device, dtype,
+                        lambda m: param_groups(m, t.weight_decay),
+                        lambda groups: adamw(groups, run_cfg.train))
+    return Run(run_cfg, device, dtype, rank, comm, timeout, tokenizer, backend, data, parts)
+
+
+def _build_data(cfg: RunConfig, rank: int, comm: Comm,
+                tokenizer: Tokenizer) -> tuple[Optional[BatchBuilder], ...]:
+    """Rank 0 builds (and caches) the sample indices first; the others then load them."""
+    if rank == 0:
+        try:
+            splits = build_datasets(cfg, tokenizer.vocab_size)
+        finally:  # an error here is raised on every rank below: nobody waits forever
+            comm.barrier()
+    else:
+        comm.barrier()
+        splits = build_datasets(cfg, tokenizer.vocab_size)
+    d, t, data = cfg.dims, cfg.train, cfg.data
+    positions = None if d.seq_degree == 1 else local_positions(
+        cfg.model.seq_length, d.cp, comm.rank(CP), d.sp, comm.rank(SP))
+
+    def builder(ds) -> Optional[BatchBuilder]:
+        return ds and BatchBuilder(
+            ds, t.micro_batch_size, t.global_batch_size, dp_rank=comm.rank(DP), dp_size=d.dp,
+            positions=positions, eod=tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
+            reset_position_ids=data.reset_position_ids,
+            reset_attention_mask=data.reset_attention_mask)
+    return tuple(builder(ds) for ds in splits)
