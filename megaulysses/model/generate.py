@@ -6,8 +6,9 @@ import torch
 
 
 @torch.no_grad()
-def sample(model, prompt: list[int], num_tokens: int, max_context: int, vocab_size: int,
-           temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
+def sample(model: torch.nn.Module, prompt: list[int], num_tokens: int, max_context: int,
+           vocab_size: int, temperature: float = 0.8, top_k: int = 40,
+           seed: int = 0) -> list[int]:
     """Append `num_tokens` sampled tokens to `prompt`; returns only the new tokens.
 
     `model`: a whole single-device GPT. Logits of padded vocabulary entries

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,8 @@ class SelfAttention(nn.Module):
         self.core = core  # (q, k, v, dropout_p, mask) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
 
-    def forward(self, x, rotary, mask: Optional[AttentionMask] = None):
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+                mask: Optional[AttentionMask] = None) -> torch.Tensor:
         # x [b, s, h]; rotary: (cos, sin) or None; mask: over the whole sequence, None: causal
         b, s, _ = x.shape
         # -1 instead of the head count: tensor parallelism leaves a shard of the heads.
@@ -64,13 +65,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, x, rotary, mask: Optional[AttentionMask] = None):
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+                mask: Optional[AttentionMask] = None) -> torch.Tensor:
         # x [b, s, h]; rotary: (cos, sin) [b, s, 1, d/2] or None
         a = self.attn(self.attn_norm(x), rotary, mask)
         x = x + F.dropout(a, self.dropout, self.training)
         return x + F.dropout(self.mlp_part(x), self.dropout, self.training)
 
-    def mlp_part(self, x):  # [b, s, h] -> [b, s, h]
+    def mlp_part(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         """Norm and MLP: per token, so the tiled MLP transform may run it on chunks of the
         sequence (it replaces this method on the instance)."""
         return self.mlp(self.mlp_norm(x))
@@ -84,7 +86,8 @@ class Embedding(nn.Module):
                          if cfg.position_embedding_type == "learned_absolute" else None)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, tokens, position_ids):  # [b, s] -> fp32 [b, s, h]
+    def forward(self, tokens: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h]
         x = self.word(tokens)
         if self.position is not None:
             x = x + self.position(position_ids)
@@ -100,13 +103,15 @@ class Head(nn.Module):
         self.output = (Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
                        if cfg.untie_embeddings_and_output_weights else None)
 
-    def forward(self, x, tied_weight: Optional[torch.Tensor]):  # [b, s, h] -> [b, s, V]
+    def forward(self, x: torch.Tensor,
+                tied_weight: Optional[torch.Tensor]) -> torch.Tensor:  # [b, s, h] -> [b, s, V]
         x = self.norm(x)
         if self.output is not None:
             return self.output(x)
         return linear(x, tied_weight)
 
-    def loss(self, x, labels, tied_weight: Optional[torch.Tensor]):  # -> [b, s] fp32
+    def loss(self, x: torch.Tensor, labels: torch.Tensor,
+             tied_weight: Optional[torch.Tensor]) -> torch.Tensor:  # -> [b, s] fp32
         """Per-token cross entropy of forward's logits, without holding all [b, s, V] logits
         at once (a fused op that works through chunks of tokens)."""
         weight = self.output.weight if self.output is not None else tied_weight
@@ -123,7 +128,9 @@ class GPT(nn.Module):
         self.rope = cfg.position_embedding_type == "rope"
         self.mask = mask_from_config(cfg)
 
-    def forward(self, tokens, position_ids=None, labels=None, documents=None):
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens `[b, s]` (or hidden `[b, s, h]` on a later pipeline stage).
 
         `documents` `[b, S]`: the document id of every token of the whole samples (packed
@@ -138,26 +145,30 @@ class GPT(nn.Module):
         x = self.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s, h]
         return x if self.head is None else self.output(x, labels)
 
-    def run_layers(self, x, position_ids, layers, documents=None):  # [b, s, h] -> [b, s, h]
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, layers: Iterable[nn.Module],
+                   documents: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         rotary = self.rotary(position_ids)
         mask = self.attention_mask(documents)
         for layer in layers:
             x = layer(x, rotary, mask)
         return x
 
-    def attention_mask(self, documents=None) -> Optional[AttentionMask]:
+    def attention_mask(self, documents: Optional[torch.Tensor] = None
+                       ) -> Optional[AttentionMask]:
         """The model's mask with this batch's documents; None for plain causal."""
         mask = self.mask.with_documents(documents)
         return None if mask.is_causal else mask
 
-    def rotary(self, position_ids) -> Optional[tuple]:
+    def rotary(self, position_ids: torch.Tensor
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """RoPE's (cos, sin) `[b, s, 1, d/2]` for these positions, once per forward and
         shared by every layer (None without RoPE)."""
         if not self.rope:
             return None
         return rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
 
-    def output(self, x, labels=None):
+    def output(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The head: per-token losses `[b, s]` with labels, else logits `[b, s, V]`."""
         tied = self.embed.word.weight if self.head.output is None else None
         if labels is None:
@@ -165,7 +176,9 @@ class GPT(nn.Module):
         return self.head.loss(x, labels, tied)
 
     @torch.no_grad()
-    def init_weights(self, seed: int, write=None):
+    def init_weights(self, seed: int,
+                     write: Optional[Callable[[torch.Tensor, torch.Tensor], object]] = None
+                     ) -> None:
         """Initial values from (seed, parameter name, shape) only: equal on every grid.
 
         `write(param, value)` puts the whole `value` into `param`; a sharded parameter

@@ -13,7 +13,7 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose matmuls use `ops.linear`: oneDNN for
     fp32 on CPU, where it is ~2x faster than the default MKL path on AMD CPUs."""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`:
     computed in fp32 with the weight in the compute dtype (`compute_weight`)."""
 
-    def forward(self, x):  # [..., h] -> fp32 [..., h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
         return rms_norm(x.float(), compute_weight(self.weight).float(), self.eps)
 
 
@@ -46,7 +46,7 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters) computed in fp32 with its weight and bias in the
     compute dtype (`compute_weight`)."""
 
-    def forward(self, x):  # [..., h] -> fp32 [..., h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
         return F.layer_norm(x.float(), self.normalized_shape,
                             compute_weight(self.weight).float(),
                             compute_weight(self.bias).float(), self.eps)
@@ -56,7 +56,7 @@ class EmbeddingTable(nn.Embedding):
     """nn.Embedding (same parameter) that looks up the weight in the compute dtype
     (`compute_weight`) and returns fp32: the residual stream's dtype."""
 
-    def forward(self, ids):  # [b, s] -> fp32 [b, s, h]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h]
         return F.embedding(ids, compute_weight(self.weight)).float()
 
 
@@ -80,7 +80,7 @@ class MLP(nn.Module):
         self.gate = Linear(hidden, ffn, bias=bias) if swiglu else None
         self.fc2 = Linear(ffn, hidden, bias=bias)
 
-    def forward(self, x):  # [b, s, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
         if self.swiglu:
             y = F.silu(self.gate(x)) * self.fc1(x)  # [b, s, f]
         else:
@@ -88,7 +88,8 @@ class MLP(nn.Module):
         return self.fc2(y)  # [b, s, h]
 
 
-def rotary_angles(position_ids: torch.Tensor, head_dim: int, base: float):
+def rotary_angles(position_ids: torch.Tensor, head_dim: int,
+                  base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[b, s, 1, d/2]` fp32 of the rotary angles of `position_ids` `[b, s]`.
 
     Computed from the positions themselves (in fp64, then rounded: the values a table of

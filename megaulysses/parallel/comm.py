@@ -25,13 +25,16 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaulysses.parallel.dims import DP_SP, TP
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 # torch 2.13 renamed these; the old names still work but warn.
@@ -51,12 +54,12 @@ class CommStats:
         self.bytes = defaultdict(int)  # (group, kind) -> bytes
         self.counting = True
 
-    def add(self, kind: str, nbytes: float, group: str):
+    def add(self, kind: str, nbytes: float, group: str) -> None:
         if self.counting:
             self.bytes[(group, kind)] += int(nbytes)
 
     @contextlib.contextmanager
-    def paused(self):
+    def paused(self) -> Iterator[None]:
         """Collectives inside are not counted (e.g. evaluation between training steps)."""
         before, self.counting = self.counting, False
         try:
@@ -89,13 +92,13 @@ class Comm:
     def rank(self, dim: str) -> int:
         return self.meshes[dim].get_local_rank() if dim in self.meshes else 0
 
-    def group(self, dim: str):
+    def group(self, dim: str) -> dist.ProcessGroup:
         return self.meshes[dim].get_group()
 
-    def mesh(self, dim: str):
+    def mesh(self, dim: str) -> DeviceMesh:
         return self.meshes[dim]
 
-    def counting_dtensor_collectives(self):
+    def counting_dtensor_collectives(self) -> _FunctionalCollectiveCounter:
         """Context: count the collectives DTensor issues (tensor parallelism) in `stats`.
 
         DTensor calls torch's functional collectives from inside its dispatch; a dispatch
@@ -105,7 +108,8 @@ class Comm:
 
     # -- plain collectives (no autograd) --------------------------------------------------
 
-    def all_reduce_sum(self, tensor: torch.Tensor, dim: str, async_op: bool = False):
+    def all_reduce_sum(self, tensor: torch.Tensor, dim: str,
+                       async_op: bool = False) -> Optional[dist.Work]:
         """In place. Sum, never ReduceOp.AVG: AVG has given wrong results on gloo."""
         p = self.size(dim)
         if p == 1:
@@ -114,7 +118,7 @@ class Comm:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
                                async_op=async_op)
 
-    def all_reduce_max(self, tensor: torch.Tensor, dim: str):
+    def all_reduce_max(self, tensor: torch.Tensor, dim: str) -> None:
         """In place: the elementwise max over the `dim` group (the vocab-parallel cross
         entropy's row maxima). Counted as an all-reduce."""
         p = self.size(dim)
@@ -123,7 +127,7 @@ class Comm:
         self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p, dim)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
 
-    def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int):
+    def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int) -> None:
         """In place: `tensor` + the same tensor of rank `peer` of the `dim` group (which
         calls this with us as its peer). Both end with bitwise equal sums: a + b == b + a.
         For the tied word embedding of the first and last pipeline stage."""
@@ -151,14 +155,14 @@ class Comm:
             self.stats.add("ring", _nbytes(t), dim)
         return RingPass(dist.batch_isend_irecv(ops), received)
 
-    def count_p2p(self, ops, dim: str):
+    def count_p2p(self, ops: Iterable[dist.P2POp], dim: str) -> None:
         """Count the sends among torch.distributed.pipelining's P2POps (it issues them
         over the `dim` group)."""
         for op in ops:
             if op.op is dist.isend:
                 self.stats.add("p2p", _nbytes(op.tensor), dim)
 
-    def gather_object(self, obj, dim: str):
+    def gather_object(self, obj: Any, dim: str) -> Optional[list[Any]]:
         """Rank 0 of the `dim` group gets everybody's `obj` (pickled) in rank order; the
         others get None. Only the ranks of one group need to call it."""
         if self.size(dim) == 1:
@@ -180,7 +184,7 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: not itself counted
         return {k: v for k, v in zip(BYTE_KINDS, t.tolist()) if v}
 
-    def barrier(self):
+    def barrier(self) -> None:
         if self.meshes:
             dist.barrier()
 
@@ -194,7 +198,8 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def new_checkpoint_group(self, timeout: Optional[timedelta] = None):
+    def new_checkpoint_group(self, timeout: Optional[timedelta] = None
+                             ) -> Optional[dist.ProcessGroup]:
         """A gloo group of all ranks for background checkpoint writes (DCP coordinates
         over it from its own thread, apart from the training collectives). Every rank
         must call it, at the same point; None alone."""
@@ -202,7 +207,8 @@ class Comm:
 
     # -- all-to-all with autograd (Ulysses) ---------------------------------------------
 
-    def all_to_all(self, x: torch.Tensor, dim: str, scatter_dim: int, gather_dim: int):
+    def all_to_all(self, x: torch.Tensor, dim: str, scatter_dim: int,
+                   gather_dim: int) -> torch.Tensor:
         """Split `x` into P chunks along `scatter_dim`, send chunk i to rank i, concatenate
         the received chunks along `gather_dim` in rank order. The backward pass is the
         same exchange with the two dims swapped."""
@@ -222,13 +228,13 @@ class Comm:
 
     # -- all-gather / reduce-scatter with autograd (Megatron-style sequence parallel) -----
 
-    def all_gather(self, x: torch.Tensor, dim: str, gather_dim: int):
+    def all_gather(self, x: torch.Tensor, dim: str, gather_dim: int) -> torch.Tensor:
         """Concatenate every rank's `x` along `gather_dim`; backward reduce-scatters."""
         if self.size(dim) == 1:
             return x
         return _AllGather.apply(x, self, dim, gather_dim)
 
-    def reduce_scatter(self, x: torch.Tensor, dim: str, scatter_dim: int):
+    def reduce_scatter(self, x: torch.Tensor, dim: str, scatter_dim: int) -> torch.Tensor:
         """Sum `x` over ranks, keep this rank's chunk of `scatter_dim`; backward gathers."""
         if self.size(dim) == 1:
             return x
@@ -254,7 +260,7 @@ class Comm:
     # -- ZeRO: collectives on flat buffers, and FSDP2's own collectives counted ----------
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
-                            async_op: bool = False):
+                            async_op: bool = False) -> Optional[dist.Work]:
         """`out` = this rank's 1/P of the sum over ranks of the flat `inp` (P pieces)."""
         p = self.size(dim)
         self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p, dim)
@@ -262,13 +268,13 @@ class Comm:
                                async_op=async_op)
 
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
-                        async_op: bool = False):
+                        async_op: bool = False) -> Optional[dist.Work]:
         """`out` = every rank's flat `inp`, in rank order."""
         p = self.size(dim)
         self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
         return _ALL_GATHER(out, inp, group=self.group(dim), async_op=async_op)
 
-    def fsdp_collectives(self):
+    def fsdp_collectives(self) -> tuple[_FsdpAllGather, _FsdpReduceScatter]:
         """(all-gather, reduce-scatter) for FSDP2's `set_custom_all_gather` /
         `set_custom_reduce_scatter`: the same c10d calls FSDP2 makes by default, counted
         here. The reduce-scatter always sums (the caller turns off FSDP's averaging)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,7 @@ class GradReducer:
 
     def __init__(self, params: list, comm: Comm, dim: str, bucket_mb: float = BUCKET_MB,
                  shards: dict | None = None, reduce_dtype: torch.dtype | None = None,
-                 align=None):
+                 align: Optional[Callable[[torch.Tensor], None]] = None):
         self.comm, self.dim = comm, dim
         self.shards, self.reduce_dtype, self.align = shards, reduce_dtype, align
         self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_mb)
@@ -105,7 +106,7 @@ class GradReducer:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def arm(self):
+    def arm(self) -> None:
         self.armed = True
         self.ready = [0] * len(self.buckets)
 
@@ -133,7 +134,7 @@ class GradReducer:
         self.launched[i] = (out, self.comm.reduce_scatter_flat(out, send.view(-1), self.dim,
                                                                async_op=True))
 
-    def finish(self):
+    def finish(self) -> None:
         for i, bucket in enumerate(self.buckets):
             if i not in self.launched:
                 for q in bucket:

@@ -33,7 +33,7 @@ the fp32 accumulators that arrive (step 0 starts them), which are sent on as the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -44,8 +44,12 @@ from megaulysses.model.attention.fused import FusedKernel
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import CP
 
+if TYPE_CHECKING:
+    from megaulysses.model.gpt import GPT
 
-def zigzag_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+
+def zigzag_positions(seq: int, cp: int, rank: int,
+                     device: Optional[torch.device] = None) -> torch.Tensor:
     """Global positions of ring rank `rank`'s tokens: chunks rank and 2cp-1-rank of 2cp."""
     if cp == 1:
         return torch.arange(seq, device=device)
@@ -253,7 +257,7 @@ class _BlockSteps:
         return ALL, dq, ALL, dk, dv
 
 
-def apply_context_parallel(model, comm: Comm, dim: str = CP):
+def apply_context_parallel(model: GPT, comm: Comm, dim: str = CP) -> GPT:
     """Swap every block's attention core for ring attention (before Ulysses wraps it)."""
     if comm.size(dim) == 1:
         return model

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -38,9 +38,15 @@ from megaulysses.model.ops.cross_entropy import apply_linear_cross_entropy, auto
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import TP
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
-def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False,
-                          comm: Optional[Comm] = None):
+    from megaulysses.model.gpt import GPT, Head
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          comm: Optional[Comm] = None) -> GPT:
     """Shard `model` in place over the 1-D `tp_mesh`. No-op for a mesh of one rank.
 
     `comm`: the loss's collectives over TP go through it (and are counted in its stats);
@@ -101,7 +107,7 @@ class VocabParallelEmbedding(nn.Module):
     32000 x 512, measured). The parameter keeps its name (`weight`) and layout (Shard(0)).
     """
 
-    def __init__(self, word: nn.Embedding, tp_mesh):
+    def __init__(self, word: nn.Embedding, tp_mesh: DeviceMesh):
         super().__init__()
         self.mesh = tp_mesh
         self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
@@ -124,7 +130,7 @@ class VocabParallelHead(nn.Module):
     entropy over `comm`'s TP group, which must be `tp_mesh`'s.
     """
 
-    def __init__(self, head, tp_mesh, seq_layout, comm: Comm):
+    def __init__(self, head: Head, tp_mesh: DeviceMesh, seq_layout: Placement, comm: Comm):
         super().__init__()
         self.mesh, self.seq, self.comm = tp_mesh, seq_layout, comm
         self.norm = head.norm
@@ -142,13 +148,16 @@ class VocabParallelHead(nn.Module):
             x = DTensor.from_local(x, self.mesh, [self.seq])
         return x.redistribute(self.mesh, [Replicate()])  # SP: all-gather the sequence
 
-    def forward(self, x, tied_weight=None):  # -> DTensor [b, s, V], Shard(-1)
+    def forward(self, x: torch.Tensor,
+                tied_weight: Optional[torch.Tensor] = None
+                ) -> DTensor:  # -> DTensor [b, s, V], Shard(-1)
         x = self._hidden(x)
         if self.output is not None:
             return self.output(x)
         return F.linear(x, tied_weight)  # tied: the vocab-parallel embedding's weight
 
-    def loss(self, x, labels, tied_weight=None):  # -> [b, s] fp32
+    def loss(self, x: torch.Tensor, labels: torch.Tensor,
+             tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:  # -> [b, s] fp32
         """Per-token losses from local tensors: the normed hidden states (SP: this rank's
         sequence slice, gathered inside the op) and this rank's vocabulary rows of the
         weight. `to_local()` is differentiable: the gradients reach the DTensor parameters
@@ -221,7 +230,7 @@ def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: i
     return {"all_gather": 2 * n, "reduce_scatter": 2 * n}
 
 
-def step_context(comm):
+def step_context(comm: Comm) -> contextlib.ExitStack:
     """Forward and backward of a step run inside this. Under tensor parallelism it counts
     DTensor's collectives in `comm.stats`; otherwise it does nothing."""
     stack = contextlib.ExitStack()
@@ -230,7 +239,7 @@ def step_context(comm):
     return stack
 
 
-def align_grads(params, tp_mesh):
+def align_grads(params: Iterable[nn.Parameter], tp_mesh: DeviceMesh) -> None:
     """Each gradient in its parameter's layout. Replicated parameters fed by sequence
     shards (norms under SP) get Partial sums: all-reduced here. Sharded parameters can get
     a replicated gradient (DTensor's vocab-parallel embedding backward): this rank keeps

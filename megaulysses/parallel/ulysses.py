@@ -22,11 +22,16 @@ up to the (P-1)/P a rank keeps for itself.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megaulysses.model.attention import AttentionCore
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
+
+if TYPE_CHECKING:
+    from megaulysses.model.gpt import GPT
 
 
 class UlyssesAttention:
@@ -55,7 +60,7 @@ def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
     return heads * b * S * d * element_size * (P - 1) // (P * P)
 
 
-def apply_ulysses(model, comm: Comm, dim: str = SP):
+def apply_ulysses(model: GPT, comm: Comm, dim: str = SP) -> GPT:
     """Swap every block's attention core for the Ulysses wrapper (in place)."""
     if comm.size(dim) == 1:
         return model

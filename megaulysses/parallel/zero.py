@@ -34,6 +34,7 @@ token count, so gradients are summed over dp x sp, never averaged (FSDP's averag
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -46,6 +47,9 @@ from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
 from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
 DIM = DP_SP
 
 # FSDP2 warns when a wrapped module returns a view (the GPT's per-token losses are one):
@@ -55,7 +59,8 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 # -- stages 2 and 3: FSDP2 ---------------------------------------------------------------------
 
-def shard_blocks(model, comm: Comm, stage: int, mp: MixedPrecisionPolicy, pipeline: bool):
+def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
+                 pipeline: bool) -> None:
     """fully_shard every transformer block this rank holds over dp x sp. Stage 3 frees a
     block's gathered parameters after its forward (and gathers the next one early); stage
     2, and any stage under pp, keeps them until backward."""
@@ -109,7 +114,8 @@ class ShardedAdamW:
     torch optimizer to the trainer: `param_groups` (lr), `step`, `zero_grad`.
     """
 
-    def __init__(self, groups: list[dict], comm: Comm, reducer: GradReducer, make_adamw):
+    def __init__(self, groups: list[dict], comm: Comm, reducer: GradReducer,
+                 make_adamw: Callable[[list[dict]], torch.optim.Optimizer]):
         self.comm, self.reducer = comm, reducer
         self.shards: dict = reducer.shards
         self.views = {p: self.shards[p].mine(_local(p).detach()) for g in groups
@@ -120,17 +126,17 @@ class ShardedAdamW:
         self.params = [p for g in self.groups for p in g]
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
     @property
-    def state(self):
+    def state(self) -> dict[torch.Tensor, Any]:
         return self.inner.state
 
-    def grad_of(self, p) -> torch.Tensor:
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor:
         return self.reducer.shard_grads[p]
 
-    def step(self):
+    def step(self) -> None:
         for p, view in self.views.items():
             view.grad = self.reducer.shard_grads[p]
         self.inner.step()
@@ -153,7 +159,7 @@ class ShardedAdamW:
                 local.view(-1).copy_(piece.reshape(-1)[:local.numel()])
                 offset += shard.padded_numel
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
         for p in self.params:
             p.grad = None
@@ -178,7 +184,7 @@ class ShardedAdamW:
                     out[f"param_groups.{name}.{key}"] = value
         return out
 
-    def load_dcp_state_dict(self, state: dict, fqns: dict):
+    def load_dcp_state_dict(self, state: dict, fqns: dict) -> None:
         """The inverse of `dcp_state_dict` (after DCP filled it in)."""
         for p in self.params:
             mine = self.inner.state[self.views[p]]
@@ -217,7 +223,7 @@ class ShardedAdamW:
                                   stride=stride)
 
 
-def row_shard_spec(p, comm: Comm):
+def row_shard_spec(p: torch.Tensor, comm: Comm) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """(mesh, placements) of rows of `p`'s local tensor cut over dp x sp, as a DTensor
     of `p`'s global shape: what FSDP2 builds for its sharded parameters. Under tensor
     parallelism the rows of a tp shard of dim 0 interleave (`_StridedShard`)."""
@@ -242,8 +248,10 @@ class Zero:
     holding this rank's reduced gradient of `p` (the whole gradient, or its rows).
     """
 
-    def __init__(self, model, comm: Comm, stage: int, groups: list[dict], make_adamw,
-                 reduce_dtype: torch.dtype, fsdp_roots: list, align=None):
+    def __init__(self, model: nn.Module, comm: Comm, stage: int, groups: list[dict],
+                 make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
+                 reduce_dtype: torch.dtype, fsdp_roots: list,
+                 align: Optional[Callable[[torch.Tensor], None]] = None):
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
         self.reducer = None
@@ -262,7 +270,7 @@ class Zero:
 
     # -- a step ---------------------------------------------------------------------------
 
-    def before_backward(self, last: bool):
+    def before_backward(self, last: bool) -> None:
         """Before a micro-batch's backward (no pipeline): the last one reduces as it runs;
         stage 2 keeps its gathered parameters until then."""
         if self.stage == 2:
@@ -271,12 +279,12 @@ class Zero:
         if last:
             self.before_last_backward()
 
-    def before_last_backward(self):
+    def before_last_backward(self) -> None:
         if self.reducer is not None:
             self.reducer.arm()
         self.observe()  # parameters are gathered now (stage 2; stage 3: the last blocks)
 
-    def finish_grads(self):
+    def finish_grads(self) -> None:
         """After the last backward: gradients reduced over dp x sp and in their
         parameters' tensor-parallel layout (FSDP did both already on stages 2 and 3)."""
         if self.reducer is not None:
@@ -286,14 +294,14 @@ class Zero:
                 if p.grad is not None:
                     self.align(p)
 
-    def grad_of(self, p) -> torch.Tensor:
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor:
         if self.stage == 1 and self.reducer is not None:
             return self.optimizer.grad_of(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return _local(p.grad)
 
-    def grad_parts(self, excluded=()) -> list:
+    def grad_parts(self, excluded: Iterable[torch.Tensor] = ()) -> list:
         skip = {id(p) for p in excluded}
         sharded = (DIM,) if self.stage >= 1 and self.comm.size(DIM) > 1 else ()
         return [GradPart(self.grad_of(p), sharded + ((TP,) if _tp_sharded(p) else ()),
@@ -305,14 +313,14 @@ class Zero:
             return p in self.reducer.shard_grads
         return p.grad is not None
 
-    def step(self):
+    def step(self) -> None:
         self.optimizer.step()
         self.at_step = self.observe()  # gradients and optimizer states are all here now
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def reshard(self):
+    def reshard(self) -> None:
         """Free parameters gathered outside training steps (evaluation, stage 2/3)."""
         for m in self._fsdp:
             m.reshard()

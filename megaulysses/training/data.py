@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from megaulysses.config import Config, ConfigError
 from megaulysses.data.gpt_dataset import (MockGPTDataset, atomic_write,
@@ -13,6 +14,9 @@ from megaulysses.data.gpt_dataset import (MockGPTDataset, atomic_write,
 from megaulysses.data.indexed import (HEADER_SIZE, IndexedDataset, IndexedDatasetError,
                                       dataset_exists)
 from megaulysses.data.tokenizer import Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:
+    from megaulysses.data.gpt_dataset import BlendedDataset, GPTDataset
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,8 @@ def sample_counts(cfg: Config) -> tuple[int, int, int]:
     return train, valid, test
 
 
-def build_datasets(cfg: Config, vocab_size: int):
+def build_datasets(cfg: Config, vocab_size: int
+                   ) -> tuple[GPTDataset | BlendedDataset | MockGPTDataset | None, ...]:
     """(train, valid, test); valid/test may be None when their split is empty."""
     counts = sample_counts(cfg)
     seq, seed = cfg.model.seq_length, cfg.train.seed

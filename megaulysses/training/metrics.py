@@ -173,7 +173,7 @@ class MetricsWriter:
                 _truncate_jsonl(jsonl_path, resumed_at)
             self.jsonl = open(jsonl_path, "a" if resumed_at is not None else "w")
 
-    def write(self, record: dict):
+    def write(self, record: dict) -> None:
         """`record` has an `iteration`; every other numeric entry becomes a scalar."""
         if self.tb is not None:
             step = record["iteration"]
@@ -184,7 +184,7 @@ class MetricsWriter:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
 
-    def close(self):
+    def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.jsonl is not None:

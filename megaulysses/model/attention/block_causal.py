@@ -69,7 +69,8 @@ class _BlockCausalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def block_causal_attention(q, k, v, block: int = BLOCK_ROWS):
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           block: int = BLOCK_ROWS) -> torch.Tensor:
     """Causal attention core on `[b, s, h, d]` (GQA: hq % hkv == 0), no dropout.
 
     Keeps softmax probabilities of about b * hq * s^2 / 2 elements per layer for backward,

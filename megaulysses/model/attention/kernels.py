@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +25,14 @@ from megaulysses.model.attention.block import masked_block_attention
 from megaulysses.model.attention.block_causal import block_causal_attention
 from megaulysses.model.attention.mask import FULL, PARTIAL, SKIP, AttentionMask, SparseLayout
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 AttentionCore = Callable[..., torch.Tensor]  # (q, k, v, dropout_p=0.0, mask=None) -> out
 
 
-def math_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """The plain reference: explicit scores, dense mask and softmax in fp32."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
@@ -44,7 +48,8 @@ def math_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask
     return out.to(q.dtype)  # [b, s, hq, d]
 
 
-def sdpa_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """torch SDPA: flash-style kernels on CPU and CUDA (no s x s matrix for causal)."""
     _require_causal(mask, "sdpa")
     hq, d = q.shape[2:]
@@ -76,7 +81,8 @@ def sdpa_repeats_kv(device_type: str, dtype: torch.dtype, hq: int, hkv: int,
     return not flash_runs
 
 
-def block_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """Blocks of queries x keys, only those the mask reaches (block.py)."""
     if dropout_p:
         raise ValueError("the block attention backend has no dropout")
@@ -90,7 +96,8 @@ def block_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMas
 CPU_BLOCK_MAX_SEQ = 1024
 
 
-def cpu_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                  mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """`auto` on CPU. Plain causal: block_causal_attention for fp32, no dropout, moderate
     s, else SDPA. Any other mask: the block backend (skips the blocks the mask excludes)."""
     if mask is not None and not mask.is_causal:
@@ -109,7 +116,8 @@ def _flash_attn_funcs():
     return flash_attn_func, flash_attn_varlen_func
 
 
-def flash_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """The flash_attn package (CUDA, fp16/bf16): [b, s, h, d], GQA, causal, window; packed
     documents through its varlen kernel (the batch flattened, one sequence per document),
     with cu_seqlens made once per batch (`flash_varlen_args`): no host sync per layer."""
@@ -156,7 +164,8 @@ def document_cu_seqlens(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def flex_attention(q, k, v, dropout_p: float = 0.0, mask: Optional[AttentionMask] = None):
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """torch flex_attention (CUDA): the mask as a mask_mod, fully masked blocks skipped by
     its block mask (`flex_block_mask`: made once per batch, never an s x s tensor).
     Compiled once per mask shape."""
@@ -181,7 +190,8 @@ def _compiled_flex():
 FLEX_BLOCK = 128
 
 
-def flex_block_mask(mask: AttentionMask, s: int, device):
+def flex_block_mask(mask: AttentionMask, s: int,
+                    device: Union[torch.device, str]) -> BlockMask:
     """flex_attention's BlockMask of `mask` over s positions. With documents: built once
     per batch, kept on the mask (every layer and recomputation reuse it); without: once
     per (static mask, s, device) for the whole run.

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 from megaulysses.config import ModelConfig
+
+_T = TypeVar("_T")
 
 SPARSITIES = ("dense", "fixed", "bigbird")
 
@@ -104,7 +106,7 @@ class AttentionMask:
     def with_documents(self, documents: Optional[torch.Tensor]) -> "AttentionMask":
         return replace(self, documents=documents)
 
-    def prepared(self, key: tuple, build: Callable[[], object]):
+    def prepared(self, key: tuple, build: Callable[[], _T]) -> _T:
         """`build()`'s value for `key`, built on the first call and then reused: every
         layer of a forward, and its recomputation, get this same mask object."""
         if key not in self._prepared:

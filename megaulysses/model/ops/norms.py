@@ -35,7 +35,7 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, None
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, (h,), weight, eps) over the last dim; fused for fp32 inputs."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)

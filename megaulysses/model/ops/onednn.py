@@ -6,6 +6,8 @@ Otherwise (CUDA, 16-bit, tensor subclasses, autocast) `linear` is F.linear itsel
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -67,7 +69,8 @@ class _OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def linear(x, weight, bias=None):
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear, through oneDNN for fp32 on CPU (see ONEDNN_LINEAR), else F.linear itself."""
     if torch.is_autocast_enabled("cpu") or not _use_onednn(x, weight):
         return F.linear(x, weight, bias)
