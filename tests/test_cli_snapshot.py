@@ -24,12 +24,13 @@ def _help_text() -> str:
 
 
 def _actions() -> list:
-    from megaulysses.config import build_parser
+    from megaulysses.config import REPO_ROOT, build_parser
     rows = []
     for a in build_parser()._actions:
         if isinstance(a, argparse._HelpAction):
             continue
-        rows.append({"flags": list(a.option_strings), "dest": a.dest, "default": repr(a.default),
+        default = repr(a.default).replace(REPO_ROOT, "<repo>")  # the bundled files' paths
+        rows.append({"flags": list(a.option_strings), "dest": a.dest, "default": default,
                      "const": repr(a.const), "choices": None if a.choices is None
                      else [repr(c) for c in a.choices], "nargs": a.nargs,
                      "action": type(a).__name__, "typed": a.type is not None})

@@ -721,7 +721,8 @@ def converted_from(hf_dir: str, arch: str, hf) -> dict:
 
 
 def from_hf(args) -> str:
-    from megaulysses.training.checkpoint import iteration_dir, write_model_checkpoint
+    from megaulysses.training.checkpoint import iteration_dir
+    from megaulysses.training.saver import write_model_checkpoint
     check_target(args.save, "--save", args.force)
     arch, hf = read_hf_config(args.hf_dir)
     tok, vocab, warning = import_tokenizer(args, hf.vocab_size)

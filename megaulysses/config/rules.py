@@ -120,6 +120,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     require(t.initial_loss_scale >= t.min_loss_scale, "--initial-loss-scale",
              f"must be >= --min-loss-scale ({t.initial_loss_scale} < {t.min_loss_scale})")
     for flag, value in (("--save-interval", t.save_interval), ("--keep-last", t.keep_last),
+                        ("--save-retain-interval", t.save_retain_interval),
                         ("--async-save", t.async_save)):
         require(not value or t.save is not None, flag, "needs --save DIR")
     require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,

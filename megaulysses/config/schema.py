@@ -253,6 +253,10 @@ class TrainConfig:
         "and exits 0; default: on under SLURM", action="optional")
     keep_last: Optional[int] = option(
         None, "keep only the newest N committed checkpoints (default: all)", kind="positive")
+    save_retain_interval: Optional[int] = option(
+        None, "with --save: keep the checkpoints whose iteration is a multiple of this, and "
+        "the latest; the others are removed once a newer checkpoint is committed (Megatron-"
+        "LM's; with --keep-last, a checkpoint either keeps stays)", kind="positive")
     async_save: bool = option(
         False, "write checkpoints in a background thread while training goes on",
         action="store_true")

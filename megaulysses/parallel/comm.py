@@ -3,8 +3,7 @@
 `Comm` wraps the DeviceMesh: it names groups by mesh dim (dims.py: "dp", "cp", "sp", "tp",
 "pp", "dp_sp") and counts the bytes this rank sends per group and collective kind, so the
 trainer can log them, tests can check them against the formulas and the planner can time
-each group's bytes over its own link. There are no module-level groups:
-whoever needs a collective is handed the `Comm`.
+each group's bytes over its own link. No module-level groups: callers are handed a `Comm`.
 
 Bytes sent per rank, for a tensor of N bytes in a group of P ranks (what an ideal ring
 or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
@@ -13,9 +12,8 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
     all_gather      N (P-1)/P        N = the gathered output
     reduce_scatter  N (P-1)/P        N = the full input
     p2p             N                N = each tensor sent to another pipeline stage
-                                     (activations forward, their gradients backward;
-                                     torch.distributed.pipelining issues these, counted
-                                     in `count_p2p`)
+                                     (activations and their gradients; torch's
+                                     pipelining issues them, counted in `count_p2p`)
     ring            N                N = each tensor passed to the next rank of the ring
                                      (ring attention's key/value blocks and gradients)
 """
@@ -197,6 +195,15 @@ class Comm:
         with self.stats.paused():  # DTensor's counter would see it inside a step
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def first_of_any_rank(self, obj: Any) -> Any:
+        """The first non-None `obj` in rank order, on every rank: one rank's finding (a
+        path it cannot write) becomes every rank's. Control traffic: not counted."""
+        if not self.meshes:
+            return obj
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, obj)  # pickled: a few bytes, a few times a run
+        return next((o for o in everyone if o is not None), None)
 
     def new_checkpoint_group(self, timeout: Optional[timedelta] = None
                              ) -> Optional[dist.ProcessGroup]:

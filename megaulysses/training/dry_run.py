@@ -22,6 +22,7 @@ import torch
 from megaulysses.config import Config, ConfigError, ParallelDims, RunConfig
 from megaulysses.planner.memory import format_plan, plan_memory
 from megaulysses.training.run import attention_backend, compute_dtype, resolve_run
+from megaulysses.training.storage import checkpoint_bytes, mib
 
 ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last are printed
 
@@ -42,6 +43,7 @@ def dry_run(cfg: Config) -> int:
         print(_header(cfg, dims, device))
         for plan in plans:
             print(format_plan(plan))
+        print(_checkpoint_line(cfg))
     if cfg.memory.dry_run_gpu:
         _check_fits(plans, cfg.memory.dry_run_gpu, speak)
     return 0
@@ -81,6 +83,17 @@ def _device(cfg: Config) -> str:
     if cfg.memory.dry_run_gpu:
         return "cuda"
     return cfg.memory.dry_run_device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _checkpoint_line(cfg: RunConfig) -> str:
+    """One checkpoint's size (model and optimizer states in fp32, whole-model shapes):
+    what --save needs free at every save."""
+    d = cfg.data
+    tokenizer = d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
+    size = checkpoint_bytes(cfg.model, tokenizer, cfg.dims.world)
+    return (f"checkpoint: {mib(size)} each (parameters "
+            "and AdamW states in fp32, whatever the grid); --save needs that free at every "
+            "save")
 
 
 def _stages_to_print(pp: int) -> list[int]:

@@ -12,6 +12,9 @@ collectives (mid-step: the other ranks are waiting in a collective):
     kill    the process SIGKILLs itself (kill -9)
     hang    it sleeps SECONDS (longer than the timeout: a frozen rank)
     nan     one of its gradients becomes NaN (after the reduction: only this rank sees it)
+    fill    (not mid-step: at the save of ITERATION, after its free-space check) RANK
+            fills --save's file system with a file (another job's, as it were): the
+            checkpoint's own writes then fail for want of space
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from megaulysses.config import ConfigError
 log = logging.getLogger(__name__)
 
 ENV = "MEGAULYSSES_FAULT"
-KINDS = ("kill", "hang", "nan")
+KINDS = ("kill", "hang", "nan", "fill")
 
 # Words in the errors gloo and NCCL raise when a peer is gone or a collective timed out.
 _DISTRIBUTED_SIGNS = ("connection closed by peer", "timed out", "connection reset",
@@ -50,19 +53,29 @@ class Fault:
     def hook(self, rank: int, iteration: int) -> Optional[Callable[[list], None]]:
         """The injection for this rank's step `iteration` (it gets the gradient tensors),
         or None where nothing is injected."""
-        hit = iteration >= self.iteration if self.onwards else iteration == self.iteration
-        if rank != self.rank or not hit:
+        if self.kind == "fill" or not self._hits(rank, iteration):
             return None
         return self._inject
 
-    def _inject(self, grads: list[torch.Tensor]):
-        log.warning("%s: injecting %s on rank %d", ENV, self.kind, self.rank)
-        if self.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.kind == "hang":
-            time.sleep(self.seconds)
-        elif grads:
-            grads[0].view(-1)[0] = float("nan")
+    def _hits(self, rank: int, iteration: int) -> bool:
+        hit = iteration >= self.iteration if self.onwards else iteration == self.iteration
+        return rank == self.rank and hit
+
+    def fill_before_save(self, rank: int, iteration: int, directory: str) -> None:
+        """The `fill` fault: a file in `directory` grows until its file system is full."""
+        if self.kind != "fill" or not self._hits(rank, iteration):
+            return
+        log.warning("%s: filling the file system of %s", ENV, directory)
+        fd = os.open(os.path.join(directory, "fault_filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            for size in (2 ** 20, 4096, 1):  # large writes, then the last pages
+                try:
+                    while os.write(fd, b"\0" * size):
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
 
 def from_env() -> Optional[Fault]:

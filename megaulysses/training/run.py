@@ -33,6 +33,7 @@ from megaulysses.training.data import build_datasets, load_tokenizer
 from megaulysses.training.device import pick_device
 from megaulysses.training.optim import adamw, param_groups
 from megaulysses.training.outputs import check_outputs
+from megaulysses.training.storage import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def build_run(cfg: Config) -> Run:
     run_cfg, tokenizer = resolve_run(cfg, world)
     backend, core = attention_backend(run_cfg, device, dtype)
     comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
+    check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick
     data = _build_data(run_cfg, rank, comm, tokenizer)
     with torch.device("meta"):
         model = GPT(run_cfg.model, core)

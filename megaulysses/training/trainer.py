@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Optional
 
@@ -17,6 +18,8 @@ from megaulysses.training.optim import LossScaler, LRSchedule, set_lr
 from megaulysses.training.report import Window, iteration_record, log_startup
 from megaulysses.training.run import build_run
 from megaulysses.training.sampling import generate_text
+from megaulysses.training.saver import Saver
+from megaulysses.training.storage import Retention, checkpoint_bytes, free_bytes, mib
 from megaulysses.training.step import NoScaler, StepResult, evaluate, train_step
 from megaulysses.training.stop import StopConditions, mark_saved_on_stop
 
@@ -56,11 +59,17 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _build_saver(self) -> ckpt.Saver:
-        t = self.cfg.train
+    def _build_saver(self) -> Saver:
+        t, d = self.cfg.train, self.cfg.data
         group = self.comm.new_checkpoint_group(self.run.timeout) if t.async_save else None
-        return ckpt.Saver(t.save, self.rank, self.comm.barrier, t.keep_last, t.async_save,
-                          group)
+        tokenizer = d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
+        size = checkpoint_bytes(self.cfg.model, tokenizer, self.dims.world)
+        retention = Retention(t.keep_last, t.save_retain_interval)
+        log.info("checkpoints: %s each in %s (%s free)%s", mib(size), t.save,
+                 mib(free_bytes(t.save)), f"; retention {retention.flags()}"
+                 if retention.active else "; all kept (--keep-last, --save-retain-interval)")
+        return Saver(t.save, self.rank, self.comm, retention, t.async_save, group, size,
+                     self.fault)
 
     def _load(self, load_dir: str) -> None:
         t, cfg = self.cfg.train, self.cfg
@@ -72,6 +81,9 @@ class Trainer:
         self.state, meta = ckpt.load_checkpoint(path, self.model, self.optimizer, expect,
                                                 self.rank, load_optim=not t.no_load_optim,
                                                 load_rng=not t.no_load_rng)
+        if self.saver is not None and os.path.dirname(os.path.abspath(path)) == \
+                os.path.abspath(t.save):
+            self.saver.protected = self.state.iteration  # retention keeps what we resumed
         if self.state.loss_scaler and isinstance(self.scaler, LossScaler):
             self.scaler.load_state_dict(self.state.loss_scaler)
         ckpt.warn_changed(path, "lr_schedule", meta, ckpt.schedule_meta(t),
