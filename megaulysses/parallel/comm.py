@@ -199,7 +199,7 @@ class Comm:
     def first_of_any_rank(self, obj: Any) -> Any:
         """The first non-None `obj` in rank order, on every rank: one rank's finding (a
         path it cannot write) becomes every rank's. Control traffic: not counted."""
-        if not self.meshes:
+        if not self.meshes or not self.any_rank(obj is not None):  # the usual case: 4 bytes
             return obj
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, obj)  # pickled: a few bytes, a few times a run
