@@ -6,7 +6,7 @@ import shlex
 
 from helpers import REPO, read_jsonl, run_subprocess
 
-from megaulysses.config import parse_args
+from megaulysses.config import parse_args, resolve
 
 
 def example_flags() -> list[str]:
@@ -18,8 +18,10 @@ def example_flags() -> list[str]:
 
 def test_example_script_spells_out_the_no_flag_default():
     import pretrain_gpt
-    ours = parse_args(pretrain_gpt.DEFAULT_RUN)
-    theirs = parse_args(example_flags())
+    # resolved as the trainer does: a default the script spells out (--lr-warmup-fraction
+    # 0.1) and one it leaves implicit resolve alike
+    ours = resolve(parse_args(pretrain_gpt.DEFAULT_RUN), 1, 4096)
+    theirs = resolve(parse_args(example_flags()), 1, 4096)
     for part in ("model", "data", "train", "log"):
         a, b = dataclasses.asdict(getattr(ours, part)), dataclasses.asdict(getattr(theirs, part))
         for key in a:

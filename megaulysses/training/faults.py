@@ -61,6 +61,15 @@ class Fault:
         hit = iteration >= self.iteration if self.onwards else iteration == self.iteration
         return rank == self.rank and hit
 
+    def _inject(self, grads: list[torch.Tensor]) -> None:
+        log.warning("%s: injecting %s on rank %d", ENV, self.kind, self.rank)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "hang":
+            time.sleep(self.seconds)
+        elif grads:
+            grads[0].view(-1)[0] = float("nan")
+
     def fill_before_save(self, rank: int, iteration: int, directory: str) -> None:
         """The `fill` fault: a file in `directory` grows until its file system is full."""
         if self.kind != "fill" or not self._hits(rank, iteration):

@@ -45,15 +45,16 @@ def test_one_process_samples_in_its_compute_dtype(tmp_path):
 
 def sample_on_grid(rank, world, args):
     """Rank 0: (the device its sampling model was built on, the dtypes its cores saw)."""
+    import megaulysses.training.sampling as sampling
     import megaulysses.training.trainer as trainer_mod
     from megaulysses.config import parse_args
     built, seen = [], []
-    real_build = trainer_mod.build_model
+    real_build = sampling.build_model
 
     def build(cfg, core, seed, device):
         built.append(str(device))
         return strict_cores(real_build(cfg, core, seed, device), seen)
-    trainer_mod.build_model = build
+    sampling.build_model = build
     trainer = trainer_mod.Trainer(parse_args(args))
     trainer.train()
     text = trainer.generate()  # every rank takes part in gathering the model
