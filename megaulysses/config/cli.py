@@ -29,18 +29,29 @@ class _Parser(argparse.ArgumentParser):
             flag, rule = message[len("argument "):].split(": ", 1)
             raise ConfigError(flag.split("/")[0], rule)
         if message.startswith("unrecognized arguments: "):
-            first = message.split(": ", 1)[1].split()[0]
-            raise ConfigError(first, "unrecognized argument" + self._did_you_mean(first))
+            raise self._unrecognized(message.split(": ", 1)[1].split())
         raise ConfigError("pretrain_gpt.py", message)
 
-    def _did_you_mean(self, word: str) -> str:
-        if not word.startswith("--"):
-            return " (pretrain_gpt.py takes flags only)"
+    def _unrecognized(self, words: list[str]) -> ConfigError:
+        """Every unknown flag in one line (a long script is fixed in one go), each with
+        the flags it may have meant; values of unknown flags are not flags."""
+        flags = [w for w in words if w.startswith("-") and not _is_number(w)]
+        if not flags:
+            return ConfigError(words[0], "unrecognized argument (pretrain_gpt.py takes flags "
+                               "only)")
+        close = {f: self._close(f) for f in flags}
+        if len(flags) == 1:
+            hint = f"; did you mean {' or '.join(close[flags[0]])}?" if close[flags[0]] else ""
+            return ConfigError(flags[0], "unrecognized argument" + hint)
+        hints = [f"{' or '.join(c)} for {f}" for f, c in close.items() if c]
+        return ConfigError("/".join(flags), f"{len(flags)} unrecognized arguments" + (
+            f"; did you mean {', '.join(hints)}?" if hints else ""))
+
+    def _close(self, word: str) -> list[str]:
         names = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         # Abbreviations are refused (as in Megatron-LM): name the flags it abbreviates.
-        close = [n for n in names if n.startswith(word)] or difflib.get_close_matches(
+        return [n for n in names if n.startswith(word)] or difflib.get_close_matches(
             word, names, n=3, cutoff=0.7)
-        return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def _parse_optional(self, arg_string):
         # argparse reads "-inf", "-1e-3" as unknown options (its negative-number test knows

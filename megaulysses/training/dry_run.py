@@ -20,6 +20,7 @@ import os
 import torch
 
 from megaulysses.config import Config, ConfigError, ParallelDims, RunConfig
+from megaulysses.config.summary import format_settings
 from megaulysses.planner.memory import format_plan, plan_memory
 from megaulysses.training.run import attention_backend, compute_dtype, resolve_run
 from megaulysses.training.storage import checkpoint_bytes, mib
@@ -40,6 +41,7 @@ def dry_run(cfg: Config) -> int:
     # the plan does not fit, as with any other rule.
     plans = [plan_memory(cfg, dims, r, device_type=device) for r in _stages_to_print(dims.pp)]
     if speak:
+        print(format_settings(cfg))
         print(_header(cfg, dims, device))
         for plan in plans:
             print(format_plan(plan))

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megaulysses.config import Config, ConfigError, RunConfig, resolve
+from megaulysses.config.summary import format_settings
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.data.tokenizer import Tokenizer
 from megaulysses.model.attention import mask_from_config, select_backend
@@ -109,6 +110,7 @@ def build_run(cfg: Config) -> Run:
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     rank, world = init_distributed(device, timeout)
     run_cfg, tokenizer = resolve_run(cfg, world)
+    log.info("%s", format_settings(run_cfg))  # what the flags mean, before anything runs
     backend, core = attention_backend(run_cfg, device, dtype)
     comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
     check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick

@@ -1,0 +1,62 @@
+"""The run prints every resolved setting at start, one per line, under Megatron-LM's
+argument names (config/summary.py), in the log and in --dry-run; and every unknown flag
+of a command line is named in one error."""
+
+import argparse
+import re
+import subprocess
+import sys
+
+from helpers import REPO, TINY
+
+from megaulysses.config import build_parser, parse_args, resolve
+from megaulysses.config.summary import format_settings
+
+LINE = re.compile(r"^  (\w+) \.{2,} (.*)$")
+
+
+def dumped(cfg) -> dict:
+    return {m[1]: m[2] for m in map(LINE.match, format_settings(cfg).splitlines()) if m}
+
+
+def test_every_flag_is_printed_resolved_under_its_megatron_name():
+    i = TINY.index("--lr-warmup-iters")
+    no_warmup = TINY[:i] + TINY[i + 2:]
+    flags = no_warmup + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--lr-warmup-fraction", "0.5", "--train-iters", "8",
+                         "--global-batch-size", "8"]
+    cfg = resolve(parse_args(flags), 4, 4096)
+    rows = dumped(cfg)
+    flags = {a.option_strings[0][2:].replace("-", "_") for a in build_parser()._actions
+             if not isinstance(a, argparse._HelpAction) and a.dest != "group_query_attention"}
+    # every flag's setting, under the flag's own (Megatron-LM's) name: --sequence-parallel
+    # is `sequence_parallel` though the field is tp_sequence_parallel
+    missing = flags - set(rows) - {"disable_bias_linear", "recompute_activations",
+                                   "no_exit_signal_handler"}
+    assert not missing, missing
+    assert rows["sequence_parallel"] == "True"
+    assert rows["lr_warmup_iters"] == "4"  # resolved: 0.5 of 8 iterations
+    assert rows["lr_warmup_fraction"] == "None"
+    assert rows["world_size"] == "4" and rows["data_parallel_size"] == "2"
+    assert rows["global_batch_size"] == "8" and rows["num_micro_batches"] == "2"
+    assert rows["group_query_attention"] == "True" and rows["num_query_groups"] == "2"
+    assert rows["padded_vocab_size"] == "4096" and rows["ffn_hidden_size"] == "192"
+
+
+def test_dry_run_and_training_print_the_settings(tmp_path):
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", *TINY,
+                           "--data-cache-path", str(tmp_path / "c")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "------------------------ arguments ------------------------" in proc.stdout
+    assert re.search(r"^  position_embedding_type \.+ rope$", proc.stdout, re.M)
+
+
+def test_every_unknown_flag_is_named_in_one_line():
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--learning-rate", "1e-3",
+                           "--seq", "32", "--use-mcore-models"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: --learning-rate/--seq/--use-mcore-models: 3 unrecognized "
+                     "arguments; did you mean --seq-length or --sequence-parallel for --seq?"]
