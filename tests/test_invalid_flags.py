@@ -158,7 +158,6 @@ INVALID = [
         "unrecognized argument"),
     row("ambiguous-abbreviation", ["--seq", "32"], "--seq", "unrecognized argument"),
     # ---- checkpoints and stopping
-    row("save-interval-no-save", ["--save-interval", "5"], "--save-interval", "needs --save"),
     row("keep-last-no-save", ["--keep-last", "2"], "--keep-last", "needs --save"),
     row("keep-last-zero", ["--keep-last", "0", "--save", "runs/ck"], "--keep-last",
         "must be > 0"),

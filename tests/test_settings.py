@@ -60,3 +60,25 @@ def test_every_unknown_flag_is_named_in_one_line():
     lines = proc.stderr.strip().splitlines()
     assert lines == ["error: --learning-rate/--seq/--use-mcore-models: 3 unrecognized "
                      "arguments; did you mean --seq-length or --sequence-parallel for --seq?"]
+
+
+def test_megatron_values_and_habits_are_accepted(tmp_path):
+    """--attention-backend fused (Megatron-LM's) runs as sdpa, unfused and local as math;
+    --split with a script's quotes; --save-interval without --save saves nothing and goes
+    on, with a warning (as in Megatron-LM)."""
+    from megaulysses.data.gpt_dataset import parse_split
+    assert parse_split("'99,1,0'") == parse_split('"99,1,0"') == parse_split("99,1,0")
+    for theirs, ours in (("fused", "sdpa"), ("unfused", "math"), ("local", "math")):
+        cfg = resolve(parse_args(TINY + ["--attention-backend", theirs]), 1, 4096)
+        assert cfg.model.attention_backend == ours
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--mock-data",
+                           "--train-iters", "2", "--eval-iters", "0", "--attention-backend",
+                           "fused", "--split", "'99,1,0'", "--save-interval", "2",
+                           "--data-cache-path",
+                           str(tmp_path / "c")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "--attention-backend fused (Megatron-LM's) runs as sdpa here" in out
+    assert "--save-interval 2 without --save: nothing is saved" in out
+    assert "saved checkpoint" not in out

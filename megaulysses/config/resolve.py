@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from megaulysses.config.grid import ParallelDims
 from megaulysses.config.rules import (check_grid, check_ring, pipeline_layout, pipeline_schedule,
                                       warmup_iters)
-from megaulysses.config.schema import Config
+from megaulysses.config.schema import MEGATRON_ATTENTION, Config
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
     full = mem.recompute_granularity == "full"
     memory = replace(mem, recompute_method=mem.recompute_method or ("uniform" if full else None),
                      recompute_num_layers=mem.recompute_num_layers or (1 if full else None))
-    model = replace(cfg.model, vocab_size=vocab_size)
+    backend = cfg.model.attention_backend
+    model = replace(cfg.model, vocab_size=vocab_size,
+                    attention_backend=MEGATRON_ATTENTION.get(backend, backend))
     check_grid(dims, model, train.global_batch_size, train.micro_batch_size,
                parallel.tp_sequence_parallel, parallel.pipeline_schedule,
                memory.tiled_mlp_chunks)

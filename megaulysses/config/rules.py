@@ -119,7 +119,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     require(t.min_loss_scale > 0, "--min-loss-scale", f"must be > 0, got {t.min_loss_scale}")
     require(t.initial_loss_scale >= t.min_loss_scale, "--initial-loss-scale",
              f"must be >= --min-loss-scale ({t.initial_loss_scale} < {t.min_loss_scale})")
-    for flag, value in (("--save-interval", t.save_interval), ("--keep-last", t.keep_last),
+    for flag, value in (("--keep-last", t.keep_last),
                         ("--save-retain-interval", t.save_retain_interval),
                         ("--async-save", t.async_save)):
         require(not value or t.save is not None, flag, "needs --save DIR")

@@ -28,6 +28,9 @@ BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 
 # The attention backends: model/attention BACKENDS (not imported: the schema needs no torch).
 ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
+# Megatron-LM's other --attention-backend values, and the backend each runs as here
+# (resolve maps them): fused -> torch's fused SDPA, unfused and local -> plain math.
+MEGATRON_ATTENTION = {"fused": "sdpa", "unfused": "math", "local": "math"}
 ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
@@ -100,8 +103,9 @@ class ModelConfig:
         128, "pad the vocabulary to a multiple of this", kind="positive")
     attention_backend: str = option(
         "auto", "auto: flash_attn (CUDA, 16-bit) where installed and the mask allows, flex for "
-        "other masks on CUDA, SDPA; on CPU the block kernels",
-        choices=ATTENTION_BACKENDS)
+        "other masks on CUDA, SDPA; on CPU the block kernels. Megatron-LM's fused, unfused "
+        "and local run as sdpa, math and math",
+        choices=ATTENTION_BACKENDS + tuple(MEGATRON_ATTENTION))
     window_size: Optional[int] = option(
         None, "sliding window: each token attends the last W tokens, itself included "
         "(Mistral-style); only blocks inside it are computed; default: none (full causal)",

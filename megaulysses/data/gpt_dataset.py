@@ -37,7 +37,8 @@ def parse_split(split: str) -> list[float]:
     """"969,30,1" -> normalised [train, valid, test] weights ("1" -> all train)."""
     rule = ("--split: expected up to 3 comma-separated non-negative numbers with a "
             f"positive sum, e.g. 969,30,1; got {split!r}")
-    parts = split.replace("/", ",").split(",")
+    # "'99,1,0'": a script's shell quoting that reached us whole (Megatron-LM accepts it)
+    parts = split.strip().strip("'\"").replace("/", ",").split(",")
     if not 1 <= len(parts) <= 3:
         raise ValueError(rule)
     try:

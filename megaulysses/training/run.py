@@ -97,6 +97,16 @@ def attention_backend(cfg: RunConfig, device: torch.device,
     return name, core
 
 
+def _log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
+    """What Megatron-LM's values and habits mean here, said once."""
+    if cfg.train.save_interval and not cfg.train.save:
+        log.warning("--save-interval %d without --save: nothing is saved (as in Megatron-LM)",
+                    cfg.train.save_interval)
+    asked, runs = cfg.model.attention_backend, run_cfg.model.attention_backend
+    if asked != runs:
+        log.info("--attention-backend %s (Megatron-LM's) runs as %s here", asked, runs)
+
+
 def build_run(cfg: Config) -> Run:
     """Everything a training run needs, checked and built in order (module docstring)."""
     t = cfg.train
@@ -111,6 +121,7 @@ def build_run(cfg: Config) -> Run:
     rank, world = init_distributed(device, timeout)
     run_cfg, tokenizer = resolve_run(cfg, world)
     log.info("%s", format_settings(run_cfg))  # what the flags mean, before anything runs
+    _log_megatron_meanings(cfg, run_cfg)
     backend, core = attention_backend(run_cfg, device, dtype)
     comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
     check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick
