@@ -31,8 +31,10 @@ def test_every_flag_is_printed_resolved_under_its_megatron_name():
              if not isinstance(a, argparse._HelpAction) and a.dest != "group_query_attention"}
     # every flag's setting, under the flag's own (Megatron-LM's) name: --sequence-parallel
     # is `sequence_parallel` though the field is tp_sequence_parallel
+    # the extra flags of a field print as the field's setting (--grad-reduce-in-bf16 as
+    # grad_reduce_dtype)
     missing = flags - set(rows) - {"disable_bias_linear", "recompute_activations",
-                                   "no_exit_signal_handler"}
+                                   "no_exit_signal_handler", "grad_reduce_in_bf16"}
     assert not missing, missing
     assert rows["sequence_parallel"] == "True"
     assert rows["lr_warmup_iters"] == "4"  # resolved: 0.5 of 8 iterations
@@ -54,12 +56,13 @@ def test_dry_run_and_training_print_the_settings(tmp_path):
 
 def test_every_unknown_flag_is_named_in_one_line():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--learning-rate", "1e-3",
-                           "--seq", "32", "--use-mcore-models"], cwd=REPO, capture_output=True,
+                           "--seq", "32", "--num-experts", "8"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines == ["error: --learning-rate/--seq/--use-mcore-models: 3 unrecognized "
-                     "arguments; did you mean --seq-length or --sequence-parallel for --seq?"]
+    assert lines == ["error: --learning-rate/--seq/--num-experts: 3 unrecognized "
+                     "arguments; did you mean --seq-length or --sequence-parallel for --seq, "
+                     "--num-layers for --num-experts?"]
 
 
 def test_megatron_values_and_habits_are_accepted(tmp_path):
@@ -74,6 +77,8 @@ def test_megatron_values_and_habits_are_accepted(tmp_path):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--mock-data",
                            "--train-iters", "2", "--eval-iters", "0", "--attention-backend",
                            "fused", "--split", "'99,1,0'", "--save-interval", "2",
+                           "--use-mcore-models", "--transformer-impl", "local",
+                           "--overlap-grad-reduce", "--use-distributed-optimizer",
                            "--data-cache-path",
                            str(tmp_path / "c")], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
@@ -82,3 +87,15 @@ def test_megatron_values_and_habits_are_accepted(tmp_path):
     assert "--attention-backend fused (Megatron-LM's) runs as sdpa here" in out
     assert "--save-interval 2 without --save: nothing is saved" in out
     assert "saved checkpoint" not in out
+    for line in ("--use-mcore-models: accepted, no effect here (there is one GPT",
+                 "--transformer-impl local: accepted, no effect here (it selects no kernels",
+                 "--overlap-grad-reduce: accepted, no effect here (the bucketed gradient",
+                 "--use-distributed-optimizer: ZeRO stage 1 here"):
+        assert out.count(line) == 1, line
+    for theirs, ours, to in (("--grad-reduce-in-bf16", "grad_reduce_dtype", "bf16"),
+                             ("--use-distributed-optimizer", "zero_stage", 1)):
+        cfg = resolve(parse_args(TINY + [theirs]), 1, 4096)
+        assert getattr(cfg.parallel, ours) == to, theirs
+    deeper = resolve(parse_args(TINY + ["--use-distributed-optimizer", "--zero-stage", "3"]),
+                     1, 4096)
+    assert deeper.parallel.zero_stage == 3  # a higher stage shards more, and stays

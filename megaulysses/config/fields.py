@@ -15,7 +15,7 @@ class Flag:
     None (a string). `action`: an argparse action name ("store_true", "optional" for
     --x/--no-x, "store_false", "store_const"); None: takes a value. `megatron`:
     Megatron-LM's name for it where it differs (None: the same name, or none there);
-    `no_effect`: accepted for Megatron-LM's scripts but changes nothing here."""
+    `no_effect`: accepted for Megatron-LM's scripts but changes nothing here: why."""
     help: str
     names: tuple[str, ...] = ()  # () -> ("--" + the field name with dashes,)
     kind: Optional[str] = None
@@ -25,7 +25,7 @@ class Flag:
     nargs: Optional[str] = None
     default: Any = None  # for extra flags only: their own argparse default
     megatron: Optional[str] = None
-    no_effect: bool = False
+    no_effect: str = ""
     dest: Optional[str] = None  # extra flags only: None sets the field, else this name
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from megaulysses.config.grid import ParallelDims
 from megaulysses.config.rules import (check_grid, check_ring, pipeline_layout, pipeline_schedule,
                                       warmup_iters)
-from megaulysses.config.schema import MEGATRON_ATTENTION, Config
+from megaulysses.config.compat import MEGATRON_ATTENTION
+from megaulysses.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
         exit_signal_handler=("SLURM_JOB_ID" in os.environ if t.exit_signal_handler is None
                              else t.exit_signal_handler))
     parallel = replace(par, pipeline_schedule=pipeline_schedule(par),
-                       tp_sequence_parallel=par.tp_sequence_parallel and dims.tp > 1)
+                       tp_sequence_parallel=par.tp_sequence_parallel and dims.tp > 1,
+                       # Megatron-LM's distributed optimizer shards optimizer states: ZeRO-1
+                       zero_stage=max(par.zero_stage, int(par.use_distributed_optimizer)))
     mem = cfg.memory
     full = mem.recompute_granularity == "full"
     memory = replace(mem, recompute_method=mem.recompute_method or ("uniform" if full else None),
@@ -67,4 +70,4 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
     check_ring(dims, model)
     layout = tuple(tuple(stage) for stage in pipeline_layout(model.num_layers, parallel))
     return RunConfig(model=model, data=cfg.data, train=train, log=cfg.log, parallel=parallel,
-                     memory=memory, dims=dims, layout=layout)
+                     memory=memory, compat=cfg.compat, dims=dims, layout=layout)

@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from megaulysses.config.compat import MEGATRON_ATTENTION, CompatConfig
 from megaulysses.config.fields import Flag, derived, option
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,9 +29,6 @@ BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 
 # The attention backends: model/attention BACKENDS (not imported: the schema needs no torch).
 ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
-# Megatron-LM's other --attention-backend values, and the backend each runs as here
-# (resolve maps them): fused -> torch's fused SDPA, unfused and local -> plain math.
-MEGATRON_ATTENTION = {"fused": "sdpa", "unfused": "math", "local": "math"}
 ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
@@ -45,11 +43,12 @@ MASK_FIELDS = ("window_size", "attention_sparsity", "sparse_block_size", "sparse
                "sparse_global_blocks", "sparse_random_blocks", "sparse_seed")
 
 # The help's groups, in the order --help lists them.
-MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING = (
+MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING, COMPAT = (
     "model", "attention mask (causal always; these narrow it)", "data", "training",
     "parallelism (data-parallel size = world / (tp*pp*sp*cp))",
-    "activation memory (recomputation, tiling) and the memory plan", "logging")
-GROUPS = (MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING)
+    "activation memory (recomputation, tiling) and the memory plan", "logging",
+    "Megatron-LM flags accepted with no effect here (each logged once, with the reason)")
+GROUPS = (MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING, COMPAT)
 
 
 def _relative(path: str) -> str:
@@ -330,9 +329,15 @@ class ParallelConfig:
     zero_stage: int = option(
         0, "ZeRO over the data x sequence-parallel ranks: 1 shards optimizer states, 2 also "
         "gradients, 3 also parameters (see README)", kind="int", choices=ZERO_STAGES)
+    use_distributed_optimizer: bool = option(
+        False, "Megatron-LM's distributed optimizer: optimizer states sharded over the data x "
+        "sequence-parallel ranks, = --zero-stage 1 (a higher --zero-stage shards more and "
+        "stays)", action="store_true")
     grad_reduce_dtype: str = option(
         "fp32", "dtype in which gradients are summed over the data x sequence-parallel ranks",
-        choices=GRAD_REDUCE_DTYPES)
+        choices=GRAD_REDUCE_DTYPES, after=(Flag(
+            "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
+            action="store_const", const="bf16"),))
     distributed_timeout_minutes: float = option(
         10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
         "rank exits non-zero naming the rank(s) it lost", kind="number")
@@ -384,9 +389,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
 
 
 # The help group of each section's flags (a field's own `group` overrides it).
 SECTIONS = {"model": (ModelConfig, MODEL), "data": (DataConfig, DATA),
             "train": (TrainConfig, TRAINING), "parallel": (ParallelConfig, PARALLEL),
-            "memory": (MemoryConfig, MEMORY), "log": (LogConfig, LOGGING)}
+            "memory": (MemoryConfig, MEMORY), "log": (LogConfig, LOGGING),
+            "compat": (CompatConfig, COMPAT)}

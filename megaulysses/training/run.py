@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megaulysses.config import Config, ConfigError, RunConfig, resolve
+from megaulysses.config.compat import CompatConfig
 from megaulysses.config.summary import format_settings
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.data.tokenizer import Tokenizer
@@ -105,6 +106,15 @@ def _log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
     asked, runs = cfg.model.attention_backend, run_cfg.model.attention_backend
     if asked != runs:
         log.info("--attention-backend %s (Megatron-LM's) runs as %s here", asked, runs)
+    if cfg.parallel.use_distributed_optimizer:
+        log.info("--use-distributed-optimizer: ZeRO stage %d here (optimizer states sharded "
+                 "over dp x sp)", run_cfg.parallel.zero_stage)
+    for f in fields(CompatConfig):
+        value = getattr(cfg.compat, f.name)
+        if value != f.default:
+            flag = f.metadata["flags"][f.metadata["main"]]
+            log.info("--%s%s: accepted, no effect here (%s)", f.name.replace("_", "-"),
+                     "" if isinstance(value, bool) else f" {value}", flag.no_effect)
 
 
 def build_run(cfg: Config) -> Run:

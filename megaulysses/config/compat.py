@@ -1,0 +1,70 @@
+"""Megatron-LM flags that select its internals, or ask for what is already ours here:
+accepted so that its scripts run as written, and each logged once, with the reason, when
+a run gives it (training/run.py). Their help group is the schema's COMPAT."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megaulysses.config.fields import option
+
+# Megatron-LM's other --attention-backend values, and the backend each runs as here
+# (resolve maps them): fused -> torch's fused SDPA, unfused and local -> plain math.
+MEGATRON_ATTENTION = {"fused": "sdpa", "unfused": "math", "local": "math"}
+
+
+# Switches: (Megatron-LM's meaning, why it changes nothing here).
+_SWITCHES = {
+    "use_mcore_models": ("Megatron-LM's model classes",
+                         "there is one GPT implementation here (megaulysses/model)"),
+    "no_masked_softmax_fusion": ("Megatron-LM's unfused softmax",
+                                 "the softmax runs inside the --attention-backend kernel"),
+    "no_bias_gelu_fusion": ("Megatron-LM's unfused bias + GeLU",
+                            "no fused bias-GeLU kernel here"),
+    "no_bias_dropout_fusion": ("Megatron-LM's unfused bias + dropout",
+                               "no fused bias-dropout kernel here"),
+    "no_gradient_accumulation_fusion": ("Megatron-LM's unfused weight-gradient accumulation",
+                                        "weight gradients accumulate in torch's autograd"),
+    "no_persist_layer_norm": ("Megatron-LM's non-persistent LayerNorm kernel",
+                              "the norms are torch code here"),
+    "cross_entropy_loss_fusion": ("Megatron-LM's fused cross entropy",
+                                  "the loss is always the chunked linear + cross entropy "
+                                  "(never the whole logits)"),
+    "overlap_grad_reduce": ("Megatron-LM's overlapped gradient reduction",
+                            "the bucketed gradient reduction already overlaps the backward"),
+    "overlap_param_gather": ("Megatron-LM's overlapped parameter all-gather",
+                             "ZeRO-1's all-gather of the updated parameters runs after the "
+                             "step, not yet overlapped with the next forward"),
+    "manual_gc": ("Megatron-LM's manual garbage collection",
+                  "Python's garbage collector runs as usual"),
+}
+
+
+def _switch(name: str) -> Any:
+    meaning, why = _SWITCHES[name]
+    return option(False, meaning, action="store_true", no_effect=why)
+
+
+@dataclass(frozen=True)
+class CompatConfig:
+    """Megatron-LM flags that select its internals, or behaviour that is already ours:
+    accepted so its scripts run as written, each logged once when given."""
+    use_mcore_models: bool = _switch("use_mcore_models")
+    transformer_impl: str = option(
+        "transformer_engine", "Megatron-LM's layer implementation",
+        choices=("local", "transformer_engine"),
+        no_effect="it selects no kernels here: the attention backend and the matmul library "
+                  "in use are logged at start")
+    no_masked_softmax_fusion: bool = _switch("no_masked_softmax_fusion")
+    no_bias_gelu_fusion: bool = _switch("no_bias_gelu_fusion")
+    no_bias_dropout_fusion: bool = _switch("no_bias_dropout_fusion")
+    no_gradient_accumulation_fusion: bool = _switch("no_gradient_accumulation_fusion")
+    no_persist_layer_norm: bool = _switch("no_persist_layer_norm")
+    cross_entropy_loss_fusion: bool = _switch("cross_entropy_loss_fusion")
+    overlap_grad_reduce: bool = _switch("overlap_grad_reduce")
+    overlap_param_gather: bool = _switch("overlap_param_gather")
+    manual_gc: bool = _switch("manual_gc")
+    distributed_backend: str = option(
+        "nccl", "Megatron-LM's process-group backend", choices=("nccl", "gloo"),
+        no_effect="the backend follows the device: NCCL on CUDA, gloo on CPU")
