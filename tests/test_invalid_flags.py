@@ -536,6 +536,7 @@ ALONE = {
     "--overlap-grad-reduce": [],
     "--overlap-param-gather": [],
     "--manual-gc": [],
+    "--log-throughput": [],
     "--distributed-backend": ["gloo"],
     "--pipeline-schedule": ["gpipe"],
     "--num-layers-per-virtual-pipeline-stage": ["1", "--pipeline-model-parallel-size", "2"],

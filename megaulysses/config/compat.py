@@ -38,6 +38,8 @@ _SWITCHES = {
                              "step, not yet overlapped with the next forward"),
     "manual_gc": ("Megatron-LM's manual garbage collection",
                   "Python's garbage collector runs as usual"),
+    "log_throughput": ("Megatron-LM's throughput in the log line",
+                       "every log line has tokens/s, TFLOP/s per device and MFU already"),
 }
 
 
@@ -65,6 +67,7 @@ class CompatConfig:
     overlap_grad_reduce: bool = _switch("overlap_grad_reduce")
     overlap_param_gather: bool = _switch("overlap_param_gather")
     manual_gc: bool = _switch("manual_gc")
+    log_throughput: bool = _switch("log_throughput")
     distributed_backend: str = option(
         "nccl", "Megatron-LM's process-group backend", choices=("nccl", "gloo"),
         no_effect="the backend follows the device: NCCL on CUDA, gloo on CPU")
