@@ -23,7 +23,7 @@ from megaulysses.config import Config, ConfigError, ParallelDims, RunConfig
 from megaulysses.config.summary import format_settings
 from megaulysses.planner.memory import format_plan, plan_memory
 from megaulysses.training.run import attention_backend, compute_dtype, resolve_run
-from megaulysses.training.storage import checkpoint_bytes, mib
+from megaulysses.training.storage import checkpoint_bytes, mib, tokenizer_file
 
 ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last are printed
 
@@ -90,9 +90,7 @@ def _device(cfg: Config) -> str:
 def _checkpoint_line(cfg: RunConfig) -> str:
     """One checkpoint's size (model and optimizer states in fp32, whole-model shapes):
     what --save needs free at every save."""
-    d = cfg.data
-    tokenizer = d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
-    size = checkpoint_bytes(cfg.model, tokenizer, cfg.dims.world)
+    size = checkpoint_bytes(cfg.model, tokenizer_file(cfg), cfg.dims.world)
     return (f"checkpoint: {mib(size)} each (parameters "
             "and AdamW states in fp32, whatever the grid); --save needs that free at every "
             "save")

@@ -77,6 +77,12 @@ def check_writable(cfg: Config, comm: Comm) -> None:
         raise ConfigError(*found)
 
 
+def tokenizer_file(cfg: Config) -> Optional[str]:
+    """The tokenizer file a checkpoint copies (none for NullTokenizer)."""
+    d = cfg.data
+    return d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
+
+
 def checkpoint_bytes(m: ModelConfig, tokenizer: Optional[str] = None, world: int = 1) -> int:
     """The bytes of one checkpoint (model and optimizer states, whole-model shapes)."""
     states = 3 * 4 * parameter_count(m)  # fp32 parameters, AdamW's exp_avg and exp_avg_sq

@@ -19,7 +19,8 @@ from megaulysses.training.report import Window, iteration_record, log_startup
 from megaulysses.training.run import build_run
 from megaulysses.training.sampling import generate_text
 from megaulysses.training.saver import Saver
-from megaulysses.training.storage import Retention, checkpoint_bytes, free_bytes, mib
+from megaulysses.training.storage import (Retention, checkpoint_bytes, free_bytes, mib,
+                                          tokenizer_file)
 from megaulysses.training.step import NoScaler, StepResult, evaluate, train_step
 from megaulysses.training.stop import StopConditions, mark_saved_on_stop
 
@@ -60,10 +61,9 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------
 
     def _build_saver(self) -> Saver:
-        t, d = self.cfg.train, self.cfg.data
+        t = self.cfg.train
         group = self.comm.new_checkpoint_group(self.run.timeout) if t.async_save else None
-        tokenizer = d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
-        size = checkpoint_bytes(self.cfg.model, tokenizer, self.dims.world)
+        size = checkpoint_bytes(self.cfg.model, tokenizer_file(self.cfg), self.dims.world)
         retention = Retention(t.keep_last, t.save_retain_interval)
         log.info("checkpoints: %s each in %s (%s free)%s", mib(size), t.save,
                  mib(free_bytes(t.save)), f"; retention {retention.flags()}"
@@ -96,10 +96,8 @@ class Trainer:
 
     def save(self) -> None:
         self.state.loss_scaler = self.scaler.state_dict()
-        d = self.cfg.data
-        tokenizer = d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
         meta = ckpt.run_meta(self.cfg, self.tokenizer.vocab_size, self.run.parts.zero_stage)
-        self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer)
+        self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer_file(self.cfg))
 
     # -- the loop ---------------------------------------------------------------------------
 
