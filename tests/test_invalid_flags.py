@@ -560,6 +560,11 @@ ALONE = {
     "--tensorboard-dir": ["runs/tb"],
     "--metrics-jsonl": ["runs/metrics.jsonl"],
     "--peak-tflops": ["100"],
+    # issue 28: defaults and refused flags
+    # issue 28: tokenizer
+    # issue 28: observability
+    # issue 28: loss, checkpoint and loader
+    # issue 28: schedule
 }
 RESTATE_A_DEFAULT = {"--swiglu", "--disable-bias-linear", "--check-for-nan-in-loss-and-grad"}
 NOT_A_RUN = {"-h", "--help"}  # prints the help and exits 0 (tests/test_help.py)
