@@ -1,4 +1,5 @@
-"""Pretrain a GPT. With no flags: the bundled small Llama-style model on Shakespeare.
+"""Pretrain a GPT with Megatron-LM's flags and defaults. With no flags: the bundled small
+Llama-style model on Shakespeare.
 
     python pretrain_gpt.py                       # the bundled default run
     python pretrain_gpt.py --help                # every flag (Megatron-LM names)
@@ -26,9 +27,10 @@ def setup_logging():
 
 # With no flags at all: the bundled default run. It keeps its outputs (a person running
 # it sees curves and a checkpoint), resumes from them when run again, and samples from the
-# trained model. Its other settings are the flags' defaults. With any flag, nothing is
-# written or sampled unless asked for.
-DEFAULT_RUN = ["--global-batch-size", "16", "--min-lr", "2e-4", "--generate", "200",
+# trained model. Its other settings are the 'shakespeare' preset (config/presets.py), which
+# every run without a data source gets. With any flag, nothing is written or sampled
+# unless asked for.
+DEFAULT_RUN = ["--generate", "200",
                "--save", "runs/default/checkpoints", "--load", "runs/default/checkpoints",
                "--tensorboard-dir", "runs/default/tensorboard",
                "--metrics-jsonl", "runs/default/metrics.jsonl"]

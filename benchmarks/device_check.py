@@ -48,6 +48,10 @@ import sys
 import time
 import traceback
 
+# The Llama-style architecture (the ModelConfig defaults are Megatron-LM's GPT-2 style).
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GIB = 2 ** 30
@@ -57,8 +61,8 @@ PARTS = ("parity", "throughput", "hf")
 LETTER = {"pytest": "a", "parity": "b", "throughput": "c", "hf": "d"}
 
 # (c)'s model: the paper's 1.2B, Llama style.
-BIG = dict(layers=24, hidden=2048, heads=16, vocab=50257, seq=32768)
-SMOKE = dict(layers=2, hidden=64, heads=4, vocab=500, seq=128)
+BIG = dict(layers=24, hidden=2048, heads=16, ffn=5504, vocab=50257, seq=32768)
+SMOKE = dict(layers=2, hidden=64, heads=4, ffn=192, vocab=500, seq=128)
 STEP_DOWN = (32768, 16384, 8192, 4096)
 
 
@@ -120,7 +124,7 @@ def part_parity(args) -> dict:
     device, name = _devices(args.cpu_smoke)
     cfg = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
                       seq_length=256, vocab_size=1000, make_vocab_size_divisible_by=8,
-                      untie_embeddings_and_output_weights=True)
+                      untie_embeddings_and_output_weights=True, **LLAMA)
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=gen)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -187,6 +191,9 @@ def model_flags(shape: dict, seq: int) -> list:
             "--eval-iters", "0", "--log-interval", "1000", "--generate", "0",
             "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(shape["vocab"]), "--untie-embeddings-and-output-weights",
+            "--ffn-hidden-size", str(shape["ffn"]),
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+            "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--recompute-granularity", "full", "--clip-grad", "0",
             "--attention-backend", "auto", "--bf16", "--seed", "1234",
             "--peak-tflops", "1"]  # MFU is computed here; no matmul timing at start-up
@@ -318,7 +325,8 @@ def part_hf(args) -> dict:
     seq = args.seq or (ours or {}).get("seq") or shape["seq"]
     seqs = [seq] if args.cpu_smoke else [s for s in STEP_DOWN if s <= seq]
     m = ModelConfig(num_layers=shape["layers"], hidden_size=shape["hidden"],
-                    num_attention_heads=shape["heads"], vocab_size=shape["vocab"])
+                    num_attention_heads=shape["heads"], vocab_size=shape["vocab"],
+                    ffn_hidden_size=shape["ffn"], **LLAMA)
     tried = []
     for seq in seqs:
         model = opt = None

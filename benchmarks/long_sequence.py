@@ -66,7 +66,8 @@ WORLD = 8
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
          "--ffn-hidden-size", "1408", "--swiglu", "--normalization", "RMSNorm",
          "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-         "--disable-bias-linear", "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999",
          "--mock-data", "--micro-batch-size", "1", "--train-iters", "3",
          "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1000",
          "--generate", "0"]

@@ -40,7 +40,8 @@ GIB = 2 ** 30
 PAPER = os.path.join(ROOT, "examples", "paper")
 VOCAB = ["--vocab-size", "50257", "--tokenizer-type", "NullTokenizer", "--mock-data"]
 GPT2 = ["--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm",
-        "--no-swiglu", "--add-bias-linear", "--bf16", "--lr", "1e-4", "--min-lr", "1e-5"]
+        "--no-swiglu", "--add-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--bf16", "--lr", "1e-4", "--min-lr", "1e-5"]
 MODELS = {"1.2B": (24, 2048, 16), "7B": (32, 4096, 32), "30B": (64, 6144, 64)}
 SEQS = [2 ** k for k in range(13, 23)]  # 8K .. 4M
 PAPER_LONGEST = 2 ** 18  # the paper's Figs. 4-7 run 8K-256K

@@ -56,6 +56,10 @@ from megaulysses.parallel.dims import PP, ParallelDims, build_mesh  # noqa: E402
 from megaulysses.parallel.pipeline import (Pipeline, keep_stages, local_stages,  # noqa: E402
                                            stage_modules)
 
+# The Llama-style architecture (the ModelConfig defaults are Megatron-LM's GPT-2 style).
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
@@ -85,7 +89,7 @@ def parse_args(argv=None):
 def model_config(args) -> ModelConfig:
     return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                        num_attention_heads=args.heads, seq_length=args.seq,
-                       vocab_size=args.vocab)
+                       vocab_size=args.vocab, **LLAMA)
 
 
 def micro_batches(args) -> list[dict]:
@@ -199,7 +203,7 @@ def run_schedule(args, comm: Comm, schedule: str, batches) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         with tracker.hooks():
-            loss = pipeline.step(batches, 1.0 / tokens)
+            loss = pipeline.step(batches, [1.0 / tokens] * len(batches))
         elapsed = time.perf_counter() - t0
         if rep >= args.warmup:
             out["step"].append(elapsed)

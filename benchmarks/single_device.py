@@ -46,6 +46,10 @@ from megaulysses.model.attention import select_backend  # noqa: E402
 from megaulysses.model.gpt import build_model, count_parameters  # noqa: E402
 from megaulysses.training.optim import build_optimizer  # noqa: E402
 
+# The Llama-style architecture (the ModelConfig defaults are Megatron-LM's GPT-2 style).
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -96,7 +100,7 @@ def build_ours(args, device, dtype):
                       num_query_groups=args.kv_heads, seq_length=args.seq,
                       vocab_size=args.vocab, make_vocab_size_divisible_by=1,
                       untie_embeddings_and_output_weights=True,
-                      attention_backend=args.attention_backend)
+                      attention_backend=args.attention_backend, **LLAMA)
     backend, core = select_backend(cfg.attention_backend, device, dtype)
     model = build_model(cfg, core, args.seed, device)
     model.train()

@@ -12,9 +12,10 @@ python pretrain_gpt.py \
     --group-query-attention --num-query-groups 8 --seq-length 8192 \
     --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm --swiglu \
     --disable-bias-linear --untie-embeddings-and-output-weights \
+    --hidden-dropout 0 --attention-dropout 0 \
     --micro-batch-size 1 --global-batch-size 64 --train-iters 50000 \
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 1000 \
-    --weight-decay 0.1 --clip-grad 1.0 --bf16 --attention-backend auto \
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --attention-backend auto \
     --eval-interval 1000 --eval-iters 10 --log-interval 10 \
     --save checkpoints/llama_1b --load checkpoints/llama_1b --save-interval 500 \
     --tensorboard-dir runs/llama_1b --metrics-jsonl runs/llama_1b/metrics.jsonl "$@"

@@ -8,8 +8,24 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The Llama-style architecture of the bundled run, spelled out: with --mock-data or
+# --data-path the defaults are Megatron-LM's (GPT-2 style, dropout 0.1).
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+
+def llama_config(**kw):
+    """A ModelConfig of the bundled run's architecture (the dataclass defaults are
+    Megatron-LM's GPT-2 style, dropout included), with `kw` on top."""
+    from megaulysses.config import ModelConfig
+    return ModelConfig(**{**dict(position_embedding_type="rope", normalization="RMSNorm",
+                                 swiglu=True, add_bias_linear=False, hidden_dropout=0.0,
+                                 attention_dropout=0.0), **kw})
+
+
 # A 2-layer Llama-style GPT with GQA on the bundled Shakespeare data: ~0.5 s per step.
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+TINY = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1",

@@ -27,8 +27,8 @@ def _actions() -> list:
     from megaulysses.config import REPO_ROOT, build_parser
     rows = []
     for a in build_parser()._actions:
-        if isinstance(a, argparse._HelpAction):
-            continue
+        if isinstance(a, argparse._HelpAction) or a.help is argparse.SUPPRESS:
+            continue  # Megatron-LM's hidden flags: docs/megatron_compat.md is their snapshot
         default = repr(a.default).replace(REPO_ROOT, "<repo>")  # the bundled files' paths
         rows.append({"flags": list(a.option_strings), "dest": a.dest, "default": default,
                      "const": repr(a.const), "choices": None if a.choices is None

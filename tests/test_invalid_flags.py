@@ -14,16 +14,17 @@ import re
 
 import pytest
 
-from helpers import launch, wait_all
+from helpers import LLAMA, launch, wait_all
 
 # TINY (tests/helpers.py) without its GQA flags and fixed global batch: the smallest valid
 # base, whose global batch then follows each grid's dp (micro-batch x dp x pp).
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+BASE = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "6",
         "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "1",
         "--peak-tflops", "1"]  # no matmul timing at start-up
 GQA = ["--group-query-attention", "--num-query-groups"]
 NULL_TOK = ["--tokenizer-type", "NullTokenizer", "--vocab-size"]
+GPT2_TOK = ["--tokenizer-type", "GPT2BPETokenizer"]
 SPARSE = ["--attention-sparsity"]
 
 
@@ -103,8 +104,25 @@ INVALID = [
         "--tokenizer-model", "file not found"),
     row("tokenizer-unreadable", ["--tokenizer-model", "{tmp}/afile"], "--tokenizer-model",
         "afile is not a readable SentencePiece model"),
-    row("tokenizer-type", ["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type",
+    row("tokenizer-type", ["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type",
         "invalid choice"),
+    # GPT2BPETokenizer's files (issue 28; their contents: tests/data/test_gpt2_bpe.py)
+    row("gpt2-no-vocab-file", GPT2_TOK + ["--merge-file", "{tmp}/afile"], "--vocab-file",
+        "required with GPT2BPETokenizer"),
+    row("gpt2-no-merge-file", GPT2_TOK + ["--vocab-file", "{tmp}/afile"], "--merge-file",
+        "required with GPT2BPETokenizer"),
+    row("vocab-file-other-type", ["--vocab-file", "{tmp}/afile"], "--vocab-file",
+        "only used with --tokenizer-type GPT2BPETokenizer"),
+    row("merge-file-other-type", NULL_TOK + ["100", "--merge-file", "{tmp}/afile"],
+        "--merge-file", "only used with --tokenizer-type GPT2BPETokenizer"),
+    row("vocab-file-missing", GPT2_TOK + ["--vocab-file", "/nonexistent/vocab.json",
+                                          "--merge-file", "{tmp}/afile"], "--vocab-file",
+        "file not found"),
+    row("merge-file-missing", GPT2_TOK + ["--vocab-file", "{tmp}/afile", "--merge-file",
+                                          "{tmp}"], "--merge-file", "file not found"),
+    row("vocab-file-unreadable", GPT2_TOK + ["--vocab-file", "{tmp}/afile", "--merge-file",
+                                             "{tmp}/afile"], "--vocab-file",
+        "afile is not a GPT-2 vocab.json"),
     row("vocab-smaller-than-data", NULL_TOK + ["1000"], "--vocab-size", "token id"),
     # ---- training and its schedule
     row("lr-neg", ["--lr", "-1e-3"], "--lr", "must be >= 0"),
@@ -119,6 +137,24 @@ INVALID = [
     row("warmup-both", ["--lr-warmup-iters", "1", "--lr-warmup-fraction", "0.1"],
         "--lr-warmup-fraction", "cannot be combined with --lr-warmup-iters"),
     row("decay-style", ["--lr-decay-style", "wsd"], "--lr-decay-style", "invalid choice"),
+    # issue 28: schedule (BASE trains --train-iters 6; the sample-based rules' rows are in
+    # tests/training/test_schedule.py)
+    row("samples-and-iters", ["--train-samples", "64"], "--train-samples",
+        "cannot be combined with --train-iters"),
+    row("decay-samples-iters", ["--lr-decay-samples", "64"], "--lr-decay-samples",
+        "needs --train-samples"),
+    row("warmup-samples-iters", ["--lr-warmup-samples", "8"], "--lr-warmup-samples",
+        "needs --train-samples"),
+    row("rampup-increment-micro", ["--rampup-batch-size", "2", "3", "8",
+                                   "--global-batch-size", "8"], "--rampup-batch-size",
+        "INCREMENT 3 must be divisible by --micro-batch-size * dp"),
+    row("rampup-two-values", ["--rampup-batch-size", "2", "2"], "--rampup-batch-size",
+        "expected 3 arguments"),
+    row("decoupled-min-alone", ["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr",
+        "needs --decoupled-lr"),
+    row("decoupled-neg", ["--decoupled-lr", "-1e-3"], "--decoupled-lr", "must be >= 0"),
+    row("decoupled-min-above", ["--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-2"],
+        "--decoupled-min-lr", "in [0, --decoupled-lr]"),
     row("clip-grad-neg", ["--clip-grad", "-1"], "--clip-grad", "must be >= 0"),
     row("weight-decay-neg", ["--weight-decay", "-0.1"], "--weight-decay", "must be >= 0"),
     row("adam-beta1", ["--adam-beta1", "1"], "--adam-beta1", "[0, 1)"),
@@ -146,6 +182,10 @@ INVALID = [
     row("hysteresis-0", ["--hysteresis", "0"], "--hysteresis", "must be > 0"),
     row("max-skipped-neg", ["--max-consecutive-skipped", "-1"], "--max-consecutive-skipped",
         "must be >= 0"),
+    # issue 28: loss, checkpoint and loader (loading without what --no-save-optim/-rng
+    # left out: tests/training/test_save_options.py)
+    row("num-workers-neg", ["--num-workers", "-1"], "--num-workers", "must be >= 0"),
+    row("num-workers-not-int", ["--num-workers", "two"], "--num-workers", "invalid"),
     row("timeout-0", ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes",
         "must be > 0"),
     row("timeout-nan", ["--distributed-timeout-minutes", "nan"],
@@ -161,6 +201,16 @@ INVALID = [
         "invalid choice"),
     row("megatron-backend-choice", ["--distributed-backend", "mpi"], "--distributed-backend",
         "invalid choice"),
+    # Megatron-LM's flags for what is not provided here (config/megatron_table.py)
+    row("megatron-refused", ["--fp8-format", "hybrid"], "--fp8-format", "FP8"),
+    row("megatron-refused-value", ["--rotary-percent=0.5"], "--rotary-percent",
+        "not provided here"),
+    row("megatron-refused-first", ["--hidden-size", "x", "--num-experts", "8"], "--num-experts",
+        "mixture of experts"),
+    row("megatron-no-effect-choice", ["--ckpt-format", "zip"], "--ckpt-format",
+        "invalid choice"),
+    row("megatron-no-effect-int", ["--empty-unused-memory-level", "one"],
+        "--empty-unused-memory-level", "invalid int value"),
     # ---- checkpoints and stopping
     row("keep-last-no-save", ["--keep-last", "2"], "--keep-last", "needs --save"),
     row("keep-last-zero", ["--keep-last", "0", "--save", "runs/ck"], "--keep-last",
@@ -323,6 +373,26 @@ INVALID = [
         "is a directory"),
     row("tensorboard-is-a-file", ["--tensorboard-dir", "{tmp}/afile"], "--tensorboard-dir",
         "not a directory"),
+    # issue 28: observability (more in tests/training/test_observability.py)
+    row("tensorboard-log-interval-0", ["--tensorboard-log-interval", "0"],
+        "--tensorboard-log-interval", "must be > 0"),
+    row("profile-without-tensorboard", ["--profile"], "--profile", "needs --tensorboard-dir"),
+    row("profile-start-negative", ["--profile-step-start", "-1"], "--profile-step-start",
+        "must be >= 0"),
+    row("profile-end-not-after-start", ["--profile-step-start", "5", "--profile-step-end", "5"],
+        "--profile-step-end", "must be > --profile-step-start 5"),
+    row("profile-rank-negative", ["--profile-ranks", "0", "-1"], "--profile-ranks",
+        "must be >= 0"),
+    row("profile-rank-outside-world", ["--profile", "--tensorboard-dir", "{tmp}/tb",
+                                       "--profile-ranks", "0", "2"], "--profile-ranks",
+        "rank 2 is outside the world of 2 ranks", world=2),
+    row("wandb-without-name", ["--wandb-project", "p", "--save", "{tmp}/ck"],
+        "--wandb-exp-name", "required with --wandb-project"),
+    row("wandb-without-dir", ["--wandb-project", "p", "--wandb-exp-name", "e"],
+        "--wandb-save-dir", "required with --wandb-project when there is no --save"),
+    row("wandb-dir-is-a-file", ["--wandb-project", "p", "--wandb-exp-name", "e",
+                                "--wandb-save-dir", "{tmp}/afile"], "--wandb-save-dir",
+        "cannot write to"),
 ]
 
 
@@ -561,18 +631,57 @@ ALONE = {
     "--metrics-jsonl": ["runs/metrics.jsonl"],
     "--peak-tflops": ["100"],
     # issue 28: defaults and refused flags
+    "--use-rotary-position-embeddings": [],
+    "--persistent-save-interval": ["50", "--save", "runs/ck"],
+    "--deterministic-mode": [],
+    "--use-torch-fsdp2": [],
     # issue 28: tokenizer
+    "--vocab-file": ["gpt2/vocab.json", "--tokenizer-type", "GPT2BPETokenizer", "--merge-file",
+                     "gpt2/merges.txt"],
+    "--merge-file": ["gpt2/merges.txt", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                     "gpt2/vocab.json"],
     # issue 28: observability
+    "--log-params-norm": [],
+    "--log-num-zeros-in-grad": [],
+    "--tensorboard-log-interval": ["10", "--tensorboard-dir", "runs/tb"],
+    "--log-timers-to-tensorboard": ["--tensorboard-dir", "runs/tb"],
+    "--profile": ["--tensorboard-dir", "runs/tb"],
+    "--profile-step-start": ["5", "--profile", "--tensorboard-dir", "runs/tb"],
+    "--profile-step-end": ["20", "--profile", "--tensorboard-dir", "runs/tb"],
+    "--profile-ranks": ["1", "--tensor-model-parallel-size", "2", "--profile",
+                        "--tensorboard-dir", "runs/tb"],
+    "--use-pytorch-profiler": ["--profile", "--tensorboard-dir", "runs/tb"],
+    "--wandb-project": ["p", "--wandb-exp-name", "e", "--save", "runs/ck"],
+    "--wandb-exp-name": ["e", "--wandb-project", "p", "--save", "runs/ck"],
+    "--wandb-save-dir": ["runs/wandb", "--wandb-project", "p", "--wandb-exp-name", "e"],
     # issue 28: loss, checkpoint and loader
+    "--calculate-per-token-loss": [],
+    "--apply-layernorm-1p": [],
+    "--no-save-optim": ["--save", "runs/ck"],
+    "--no-save-rng": ["--save", "runs/ck"],
+    "--num-workers": ["2"],
     # issue 28: schedule
+    "--train-samples": ["64"],
+    "--lr-decay-samples": ["48", "--train-samples", "64"],
+    "--lr-warmup-samples": ["8", "--train-samples", "64"],
+    "--rampup-batch-size": ["8", "8", "64", "--global-batch-size", "32", "--train-samples",
+                            "512"],
+    "--decoupled-lr": ["1e-3"],
+    "--decoupled-min-lr": ["1e-5", "--decoupled-lr", "1e-3"],
 }
-RESTATE_A_DEFAULT = {"--swiglu", "--disable-bias-linear", "--check-for-nan-in-loss-and-grad"}
+RESTATE_A_DEFAULT = {"--swiglu", "--disable-bias-linear", "--check-for-nan-in-loss-and-grad",
+                     "--use-rotary-position-embeddings"}  # the bundled run's rope
 NOT_A_RUN = {"-h", "--help"}  # prints the help and exits 0 (tests/test_help.py)
 
 
 def test_every_flag_is_tabled():
+    """Every flag the schema declares. Megatron-LM's hidden flags, generated from
+    config/megatron_table.py, are each parsed by tests/test_megatron_compat.py instead."""
+    import argparse
+
     from megaulysses.config import build_parser
-    options = {o for a in build_parser()._actions for o in a.option_strings}
+    options = {o for a in build_parser()._actions if a.help is not argparse.SUPPRESS
+               for o in a.option_strings}
     assert set(ALONE) | NOT_A_RUN == options, (
         f"missing: {sorted(options - set(ALONE) - NOT_A_RUN)}, "
         f"not flags: {sorted(set(ALONE) - options)}")

@@ -4,7 +4,8 @@
            tensors) -> a Hugging Face directory: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU)
            or GPT2LMHeadModel (learned positions, LayerNorm, GeLU, biases); model.safetensors,
            config.json, generation_config.json, and tokenizer.json/tokenizer_config.json
-           (plus tokenizer.model) built from the run's SentencePiece model.
+           (plus tokenizer.model) built from the run's SentencePiece model, or GPT-2's
+           tokenizer files from a GPT2BPETokenizer run's vocab.json and merges.txt.
 
     python tools/convert_checkpoint.py to-hf --load runs/default/checkpoints --hf-dir hf_out
 
@@ -29,6 +30,10 @@ Weight names (ours <-> Hugging Face; i = layer; each linear has .weight and, wit
   layers.i.mlp.fc2         ...mlp.down_proj                  ...mlp.c_proj
   head.norm                model.norm                        transformer.ln_f
   head.output.weight       lm_head.weight (untied models; tied ones reuse the embedding)
+
+  --apply-layernorm-1p: our norm weights hold gamma - 1; to-hf writes gamma = weight + 1
+  (Hugging Face norms hold gamma). from-hf always writes plain gamma (a checkpoint for
+  runs without --apply-layernorm-1p; loading it with the flag is refused at --load).
 
   Llama: a plain rename, no tensor changes. Our q, k and v are separate linears and our
   rotary embedding is rotate-half (dimension i pairs with i + d/2), exactly Hugging Face
@@ -57,8 +62,12 @@ bos/eos (our runs train without them), so AutoTokenizer(text).input_ids equals
 SentencePiece's encode(text) with or without add_special_tokens, and "<s>" in text is
 text, as in SentencePiece (unigram models only: a control or byte piece's name written
 literally in text, like "<s>", becomes that piece). generation_config.json stops at the
-end-of-document token (the SentencePiece eos). A checkpoint without a tokenizer (a
-NullTokenizer run) exports without tokenizer files, with a warning.
+end-of-document token (the SentencePiece eos). A GPT2BPETokenizer run exports GPT-2's
+tokenizer from its vocab.json and merges.txt (checked against ours on the same probe
+text), eos = bos = <|endoftext|>, which in text stays text as in Megatron-LM; from-hf
+takes a directory's vocab.json and merges.txt (as GPT-2's repository has them) when it
+has no tokenizer.model. A checkpoint without a tokenizer (a NullTokenizer run) exports
+without tokenizer files, with a warning.
 
 from-hf records seq_length = max_position_embeddings unless --seq-length is given (our
 checkpoints record the training sequence length). Dropout and initializer_range are
@@ -95,6 +104,7 @@ from megaulysses.config import (CheckpointError, ConfigError, ModelConfig,  # no
 ARCHES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_MODEL = "tokenizer.model"
+GPT2_FILES = ("vocab.json", "merges.txt")  # GPT2BPETokenizer's, in checkpoints and on the Hub
 # Reproduced by the exported tokenizer before it is written: spaces (single, double,
 # leading, trailing), newlines, tabs, digits, accents, symbols outside any vocabulary;
 # BPE models also the names of control and byte pieces, which are plain text.
@@ -163,7 +173,9 @@ class Link:
     """One Hugging Face tensor and the parameter(s) of ours it holds.
 
     kind: "same" (a rename), "t" (GPT-2 Conv1D: transposed), "fused_t" (GPT-2 c_attn
-    weight: q, k, v stacked by output rows, then transposed), "fused" (c_attn bias)."""
+    weight: q, k, v stacked by output rows, then transposed), "fused" (c_attn bias), "1p"
+    (a norm weight of an --apply-layernorm-1p model, which stores gamma - 1: gamma is
+    weight + 1)."""
     hf: str
     ours: tuple
     kind: str = "same"
@@ -176,37 +188,42 @@ def _pair(hf: str, ours: str, kind: str, bias: bool) -> list:
     return out
 
 
+def _norm_kind(cfg: ModelConfig) -> str:
+    return "1p" if cfg.apply_layernorm_1p else "same"
+
+
 def llama_links(cfg: ModelConfig) -> list:
-    b = cfg.add_bias_linear
+    b, norm = cfg.add_bias_linear, _norm_kind(cfg)
     links = [Link("model.embed_tokens.weight", ("embed.word.weight",))]
     for i in range(cfg.num_layers):
         hf, us = f"model.layers.{i}.", f"layers.{i}."
-        links += _pair(hf + "input_layernorm", us + "attn_norm", "same", False)
+        links += _pair(hf + "input_layernorm", us + "attn_norm", norm, False)
         for theirs, ours in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "out")):
             links += _pair(f"{hf}self_attn.{theirs}", f"{us}attn.{ours}", "same", b)
-        links += _pair(hf + "post_attention_layernorm", us + "mlp_norm", "same", False)
+        links += _pair(hf + "post_attention_layernorm", us + "mlp_norm", norm, False)
         for theirs, ours in (("gate_proj", "gate"), ("up_proj", "fc1"), ("down_proj", "fc2")):
             links += _pair(f"{hf}mlp.{theirs}", f"{us}mlp.{ours}", "same", b)
-    links += _pair("model.norm", "head.norm", "same", False)
+    links += _pair("model.norm", "head.norm", norm, False)
     if cfg.untie_embeddings_and_output_weights:
         links.append(Link("lm_head.weight", ("head.output.weight",)))
     return links
 
 
 def gpt2_links(cfg: ModelConfig) -> list:
+    norm = _norm_kind(cfg)
     links = [Link("transformer.wte.weight", ("embed.word.weight",)),
              Link("transformer.wpe.weight", ("embed.position.weight",))]
     for i in range(cfg.num_layers):
         hf, us = f"transformer.h.{i}.", f"layers.{i}."
         qkv = tuple(f"{us}attn.{x}" for x in "qkv")
-        links += _pair(hf + "ln_1", us + "attn_norm", "same", True)
+        links += _pair(hf + "ln_1", us + "attn_norm", norm, True)
         links += [Link(hf + "attn.c_attn.weight", tuple(n + ".weight" for n in qkv), "fused_t"),
                   Link(hf + "attn.c_attn.bias", tuple(n + ".bias" for n in qkv), "fused")]
         links += _pair(hf + "attn.c_proj", us + "attn.out", "t", True)
-        links += _pair(hf + "ln_2", us + "mlp_norm", "same", True)
+        links += _pair(hf + "ln_2", us + "mlp_norm", norm, True)
         links += _pair(hf + "mlp.c_fc", us + "mlp.fc1", "t", True)
         links += _pair(hf + "mlp.c_proj", us + "mlp.fc2", "t", True)
-    links += _pair("transformer.ln_f", "head.norm", "same", True)
+    links += _pair("transformer.ln_f", "head.norm", norm, True)
     if cfg.untie_embeddings_and_output_weights:
         links.append(Link("lm_head.weight", ("head.output.weight",)))
     return links
@@ -221,6 +238,8 @@ def to_hf_tensor(link: Link, state: dict):
     parts = [state[name] for name in link.ours]
     if link.kind == "same":
         return parts[0]
+    if link.kind == "1p":
+        return parts[0] + 1.0
     if link.kind == "t":
         return parts[0].t()
     fused = torch.cat(parts, dim=0)
@@ -229,6 +248,8 @@ def to_hf_tensor(link: Link, state: dict):
 
 def from_hf_tensor(link: Link, tensor, shapes: dict) -> dict:
     """{our name: tensor}; `shapes` (our parameter shapes) give the q/k/v split."""
+    if link.kind == "1p":
+        return {link.ours[0]: tensor - 1.0}
     if link.kind in ("same", "t"):
         return {link.ours[0]: tensor.t() if link.kind == "t" else tensor}
     rows = [shapes[name][0] for name in link.ours]
@@ -377,6 +398,34 @@ def save_tokenizer(path: str, out: str, max_length: int):
     return ids
 
 
+def save_gpt2_tokenizer(vocab: str, merges: str, out: str, max_length: int) -> dict:
+    """GPT-2's tokenizer files from a GPT2BPETokenizer run's vocab.json and merges.txt,
+    checked to encode the probe text as our tokenizer does."""
+    from transformers import GPT2Tokenizer
+    from megaulysses.data.tokenizer import GPT2_EOD, GPT2BPETokenizer
+    ours = GPT2BPETokenizer(vocab, merges)
+    # split_special_tokens: "<|endoftext|>" written in text stays text, as in Megatron-LM.
+    theirs = GPT2Tokenizer(vocab=vocab, merges=merges, split_special_tokens=True,
+                           clean_up_tokenization_spaces=False)
+    probe = PROBE_TEXT + GPT2_EOD
+    if theirs(probe).input_ids != ours.tokenize(probe):
+        raise ConvertError(vocab, "the Hugging Face GPT-2 tokenizer built from it encodes a "
+                                  "probe text differently from ours; pass --no-tokenizer")
+    theirs.model_max_length = max_length  # after the probe, which may be longer
+    theirs.save_pretrained(out)
+    # GPT-2's own files too, as its repository has them (slow tokenizers, from-hf).
+    for name, path in zip(GPT2_FILES, (vocab, merges)):
+        shutil.copyfile(path, os.path.join(out, name))
+    return {"bos": ours.eod, "eos": ours.eod, "unk": ours.eod, "pad": None}
+
+
+def export_tokenizer(files: dict, out: str, max_length: int) -> dict:
+    """The checkpoint's tokenizer files ({name: path}) as Hugging Face's; the special ids."""
+    if TOKENIZER_MODEL in files:
+        return save_tokenizer(files[TOKENIZER_MODEL], out, max_length)
+    return save_gpt2_tokenizer(*(files[name] for name in GPT2_FILES), out, max_length)
+
+
 # -- output directories: written aside, renamed into place --------------------------------
 
 def check_target(path: str, flag: str, force: bool):
@@ -463,12 +512,17 @@ def save_config(config, out: str):
 
 
 def checkpoint_tokenizer(meta: dict, path: str, skip: bool) -> tuple:
-    """(the run's SentencePiece model inside the checkpoint or None, a warning or None)."""
-    tok = os.path.join(path, TOKENIZER_MODEL)
-    if skip or os.path.isfile(tok):
-        return (None if skip else tok), None
+    """(the run's tokenizer files inside the checkpoint, {name: path}, or None: its
+    SentencePiece model or GPT-2's vocab.json and merges.txt; a warning or None)."""
+    if skip:
+        return None, None
+    for names in ((TOKENIZER_MODEL,), GPT2_FILES):
+        files = {name: os.path.join(path, name) for name in names}
+        if all(map(os.path.isfile, files.values())):
+            return files, None
     kind = (meta.get("tokenizer") or {}).get("type")
-    why = "a NullTokenizer run" if kind == "NullTokenizer" else "no tokenizer.model in it"
+    why = "a NullTokenizer run" if kind == "NullTokenizer" else (
+        f"no {TOKENIZER_MODEL} (or {' and '.join(GPT2_FILES)}) in it")
     return None, f"{path}: {why}: exported without tokenizer files"
 
 
@@ -500,7 +554,8 @@ def to_hf(args) -> str:
     tensors = {link.hf: to_hf_tensor(link, state).to(dtype).contiguous() for link in links}
     tok, warning = checkpoint_tokenizer(meta, path, args.no_tokenizer)
     with staged(args.hf_dir) as out:
-        ids = save_tokenizer(tok, out, cfg.max_positions) if tok else tokenless_ids(meta, cfg)
+        ids = export_tokenizer(tok, out, cfg.max_positions) if tok else tokenless_ids(meta,
+                                                                                     cfg)
         save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
         save_config(hf_config(cfg, arch, meta, ids, args.dtype), out)
         if ids.get("eos") is not None:  # generation stops at the end-of-document token
@@ -667,18 +722,49 @@ def state_from_hf(cfg: ModelConfig, arch: str, weights: dict, where: str) -> dic
 
 
 def import_tokenizer(args, hf_vocab: int) -> tuple:
-    """(SentencePiece model path or None, our vocab_size, a warning or None)."""
+    """(the tokenizer files to copy, {name: path}, or None; our vocab_size; a warning or
+    None): the SentencePiece model, else GPT-2's vocab.json and merges.txt."""
     path = args.tokenizer_model or os.path.join(args.hf_dir, TOKENIZER_MODEL)
+    gpt2 = {name: os.path.join(args.hf_dir, name) for name in GPT2_FILES}
     if args.tokenizer_model is None and not os.path.isfile(path):
+        if all(map(os.path.isfile, gpt2.values())):
+            return gpt2, _gpt2_vocab_size(gpt2, hf_vocab), None
         return None, hf_vocab, (
-            f"{args.hf_dir} has no SentencePiece {TOKENIZER_MODEL}: the checkpoint is for "
-            f"--tokenizer-type NullTokenizer --vocab-size {hf_vocab - 1} (or pass "
-            "--tokenizer-model)")
+            f"{args.hf_dir} has no SentencePiece {TOKENIZER_MODEL} (nor GPT-2's "
+            f"{' and '.join(GPT2_FILES)}): the checkpoint is for --tokenizer-type "
+            f"NullTokenizer --vocab-size {hf_vocab - 1} (or pass --tokenizer-model)")
     flag = "--tokenizer-model" if args.tokenizer_model else path
     size = sp_processor(path, flag).get_piece_size()
     if size > hf_vocab:
         raise ConvertError(flag, f"{size} pieces, more than the model's vocab_size {hf_vocab}")
-    return path, size, None
+    return {TOKENIZER_MODEL: path}, size, None
+
+
+def _gpt2_vocab_size(files: dict, hf_vocab: int) -> int:
+    """Our GPT2BPETokenizer's vocabulary from the files (ConvertError naming the file)."""
+    from megaulysses.data.tokenizer import GPT2BPETokenizer
+    try:
+        size = GPT2BPETokenizer(*files.values()).vocab_size
+    except ValueError as e:
+        flag, _, rule = str(e).partition(": ")
+        raise ConvertError(files["vocab.json" if flag == "--vocab-file" else "merges.txt"],
+                           rule) from None
+    if size > hf_vocab:
+        raise ConvertError(files["vocab.json"], f"{size} tokens, more than the model's "
+                                                f"vocab_size {hf_vocab}")
+    return size
+
+
+def _tokenizer_flags(files, save: str, vocab: int) -> list:
+    """pretrain_gpt.py's flags for the tokenizer copied into the checkpoint at `save`."""
+    from megaulysses.training.checkpoint import iteration_dir
+    inside = {name: os.path.join(iteration_dir(save, 0), name) for name in files or ()}
+    if TOKENIZER_MODEL in inside:
+        return ["--tokenizer-model", inside[TOKENIZER_MODEL]]
+    if inside:
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", inside["vocab.json"],
+                "--merge-file", inside["merges.txt"]]
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1)]
 
 
 def trainer_flags(cfg: ModelConfig) -> list:
@@ -721,7 +807,6 @@ def converted_from(hf_dir: str, arch: str, hf) -> dict:
 
 
 def from_hf(args) -> str:
-    from megaulysses.training.checkpoint import iteration_dir
     from megaulysses.training.saver import write_model_checkpoint
     check_target(args.save, "--save", args.force)
     arch, hf = read_hf_config(args.hf_dir)
@@ -739,11 +824,7 @@ def from_hf(args) -> str:
                                extra={"converted_from": converted_from(args.hf_dir, arch, hf)})
     if warning:  # only now: a failed conversion says one line, its error
         warn(warning)
-    if tok:
-        tok_flags = ["--tokenizer-model", os.path.join(iteration_dir(args.save, 0),
-                                                       TOKENIZER_MODEL)]
-    else:
-        tok_flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1)]
+    tok_flags = _tokenizer_flags(tok, args.save, vocab)
     print(f"wrote {args.save}: {ARCHES[arch]} from {args.hf_dir}, {cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size})")
     print("continue pretraining with these flags (plus --data-path tokenized with this "

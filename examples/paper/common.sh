@@ -30,9 +30,10 @@ RUNS_DIR=${RUNS_DIR:-runs/paper}
 DRY_RUN=${DRY_RUN:-0}
 
 # GPT-2 style, as Megatron-DeepSpeed's GPT: learned positions, LayerNorm, GeLU, biases,
-# tied embeddings; bf16.
+# tied embeddings; bf16; no dropout (the plans below were made without it).
 GPT2=(--position-embedding-type learned_absolute --normalization LayerNorm --no-swiglu
-      --add-bias-linear --bf16 --attention-backend auto)
+      --add-bias-linear --hidden-dropout 0 --attention-dropout 0 --bf16
+      --attention-backend auto)
 MODEL_1P2B=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16)  # 1.2B / 1.3B
 MODEL_7B=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32)
 MODEL_30B=(--num-layers 64 --hidden-size 6144 --num-attention-heads 64)

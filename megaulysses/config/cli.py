@@ -11,13 +11,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-from dataclasses import MISSING, Field, fields
+import sys
+from dataclasses import MISSING, Field, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
+from megaulysses.config import megatron
 from megaulysses.config.errors import ConfigError
 from megaulysses.config.rules import validate
 from megaulysses.config.fields import Flag
-from megaulysses.config.schema import GROUPS, SECTIONS, Config
+from megaulysses.config.presets import SHAKESPEARE, apply_preset, preset_for
+from megaulysses.config.groups import COMPAT, GROUPS
+from megaulysses.config.schema import SECTIONS, Config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,7 +52,9 @@ class _Parser(argparse.ArgumentParser):
             f"; did you mean {', '.join(hints)}?" if hints else ""))
 
     def _close(self, word: str) -> list[str]:
-        names = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        # Megatron-LM's hidden flags (config/megatron.py) are not suggested
+        names = [o for a in self._actions if a.help is not argparse.SUPPRESS
+                 for o in a.option_strings if o.startswith("--")]
         # Abbreviations are refused (as in Megatron-LM): name the flags it abbreviates.
         return [n for n in names if n.startswith(word)] or difflib.get_close_matches(
             word, names, n=3, cutoff=0.7)
@@ -138,22 +144,35 @@ def _default(f: Field) -> Any:
 
 def _add_flag(group, f: Field, flag: Flag, default: Any) -> None:
     names = flag.names or ("--" + f.name.replace("_", "-"),)
-    kw = {"dest": flag.dest or f.name, "default": default, "help": flag.help}
+    kw = {"dest": flag.dest or f.name, "default": default, "help": _with_preset(f, flag)}
     if flag.action is not None:
         kw["action"] = _ACTIONS.get(flag.action, flag.action)
     optional = {"type": _type(flag.kind, names[0]), "choices": flag.choices,
-                "nargs": flag.nargs, "const": flag.const}
+                "nargs": flag.nargs, "const": flag.const, "metavar": flag.metavar}
     kw.update({k: v for k, v in optional.items() if v is not None})
     group.add_argument(*names, **kw)
+
+
+_BUNDLED = {k: v for values in SHAKESPEARE.values() for k, v in values.items()}
+
+
+def _with_preset(f: Field, flag: Flag) -> str:
+    """The help, plus the bundled run's value where its preset sets the field."""
+    if flag.dest or f.name not in _BUNDLED or f.name == "data_path":
+        return flag.help
+    return f"{flag.help}; the bundled run (no data source): {_BUNDLED[f.name]}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every field with an `option` becomes its flags, in the schema's order."""
     # allow_abbrev=False as in Megatron-LM: "--hidden 64" is an error, not --hidden-size.
     p = _Parser(prog="pretrain_gpt.py", description="Pretrain a GPT (Megatron-LM flag names). "
-                "Without any flag: the bundled default run (small Llama-style model on the "
-                "Shakespeare corpus in data/).", formatter_class=_HelpFormatter,
-                allow_abbrev=False)
+                "Defaults are Megatron-LM's; without --data-path or --mock-data: the bundled run "
+                "(a small Llama-style model on the Shakespeare corpus in data/, whose settings "
+                "each flag's help names).", formatter_class=_HelpFormatter,
+                allow_abbrev=False, epilog="Megatron-LM's other flags are accepted with no "
+                "effect (each logged once, with the reason) or refused with the reason: "
+                "docs/megatron_compat.md lists every one.")
     groups = {title: p.add_argument_group(title) for title in GROUPS}
     for cls, title in SECTIONS.values():
         for f in fields(cls):
@@ -161,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                 # the field's own flag has its default; extra flags have their own
                 default = _default(f) if i == f.metadata["main"] else flag.default
                 _add_flag(groups[f.metadata["group"] or title], f, flag, default)
+    megatron.add_flags(groups[COMPAT])  # Megatron-LM's other flags, hidden from --help
     return p
 
 
@@ -168,13 +188,34 @@ def _pick(cls: type, ns: argparse.Namespace) -> Any:
     return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if "flags" in f.metadata})
 
 
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The parser destinations the command line sets (whatever the value): parsed again
+    with every default suppressed, so only what was given is left."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
-    """The flags as given, checked by every rule that needs no world size or tokenizer."""
+    """The flags as given, checked by every rule that needs no world size or tokenizer;
+    without a data source, the bundled run's preset in place of the defaults not given."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Megatron-LM's flags for what is not provided here stop the run first, all named
+    megatron.refuse_first(argv, _Parser(prog="pretrain_gpt.py", add_help=False,
+                                        allow_abbrev=False))
     ns = build_parser().parse_args(argv)
+    given = given_dests(build_parser(), argv)
     if ns.num_query_groups is not None and not ns.group_query_attention:
         raise ConfigError("--num-query-groups", "needs --group-query-attention")
     if ns.group_query_attention and ns.num_query_groups is None:
         ns.num_query_groups = 1  # Megatron's default: multi-query attention
+    if "tokenizer_type" not in given and ns.vocab_file and ns.merge_file:
+        # Megatron-LM's GPT scripts give the GPT-2 files alone (its GPT-3 175B example)
+        ns.tokenizer_type = "GPT2BPETokenizer"
     cfg = Config(**{name: _pick(cls, ns) for name, (cls, _) in SECTIONS.items()})
+    cfg = replace(cfg, compat=replace(cfg.compat, megatron_flags=megatron.given(ns)))
+    preset = preset_for(given)
+    if preset:
+        cfg = apply_preset(cfg, preset, given)
     validate(cfg)
     return cfg

@@ -1,13 +1,15 @@
 """Megatron-LM flags that select its internals, or ask for what is already ours here:
 accepted so that its scripts run as written, and each logged once, with the reason, when
-a run gives it (training/run.py). Their help group is the schema's COMPAT."""
+a run gives it (training/run.py). Their help group is the schema's COMPAT. Megatron-LM's
+many other flags are data (megatron.py, megatron_table.py): those given are in
+`megatron_flags`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from megaulysses.config.fields import option
+from megaulysses.config.fields import derived, option
 
 # Megatron-LM's other --attention-backend values, and the backend each runs as here
 # (resolve maps them): fused -> torch's fused SDPA, unfused and local -> plain math.
@@ -40,6 +42,8 @@ _SWITCHES = {
                   "Python's garbage collector runs as usual"),
     "log_throughput": ("Megatron-LM's throughput in the log line",
                        "every log line has tokens/s, TFLOP/s per device and MFU already"),
+    "use_pytorch_profiler": ("Megatron-LM's torch.profiler for --profile (instead of nsys)",
+                             "--profile always records a torch.profiler trace here"),
 }
 
 
@@ -68,6 +72,10 @@ class CompatConfig:
     overlap_param_gather: bool = _switch("overlap_param_gather")
     manual_gc: bool = _switch("manual_gc")
     log_throughput: bool = _switch("log_throughput")
+    use_pytorch_profiler: bool = _switch("use_pytorch_profiler")
     distributed_backend: str = option(
         "nccl", "Megatron-LM's process-group backend", choices=("nccl", "gloo"),
         no_effect="the backend follows the device: NCCL on CUDA, gloo on CPU")
+    # Megatron-LM's table flags given (megatron.py: no effect, or a refused flag's value
+    # that asks for nothing), (flag, value) in its order; set by cli.parse_args
+    megatron_flags: tuple = derived(())

@@ -22,7 +22,8 @@ class Flag:
     choices: Optional[tuple] = None
     action: Optional[str] = None
     const: Any = None
-    nargs: Optional[str] = None
+    nargs: Optional[str | int] = None
+    metavar: Optional[tuple[str, ...]] = None  # the names of an nargs flag's values, in --help
     default: Any = None  # for extra flags only: their own argparse default
     megatron: Optional[str] = None
     no_effect: str = ""

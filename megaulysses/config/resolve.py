@@ -2,10 +2,12 @@
 follow from other flags, the world size and the tokenizer are filled in, once.
 
 What it fills: the grid (dp from the world size), the global batch (one micro-batch per
-data-parallel rank, times pp under a pipeline), the warm-up iterations, the pipeline
+data-parallel rank, times pp under a pipeline), the iterations and the warm-up and decay
+(schedule.py: in samples under --train-samples, the batch ramp-up checked), the pipeline
 schedule and stage layout, whether Megatron-SP is in effect (asked for, and tp > 1), the
 recomputed layers, the signal handler (on under SLURM), the vocabulary (padded by
-ModelConfig). Then the rules that need them (rules.check_grid, rules.check_ring).
+ModelConfig), wandb's directory (<--save>/wandb by default). Then the rules that need
+them (rules.check_grid, rules.check_ring, rules.check_profile_ranks).
 The result is frozen: nothing changes it afterwards. Which attention kernel runs depends
 on the device and the installed kernels, not on the flags alone: training/run.py picks it
 from the resolved config.
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from megaulysses.config.grid import ParallelDims
-from megaulysses.config.rules import (check_grid, check_ring, pipeline_layout, pipeline_schedule,
-                                      warmup_iters)
+from megaulysses.config.rules import (check_grid, check_profile_ranks, check_ring,
+                                      pipeline_layout, pipeline_schedule, warmup_iters)
 from megaulysses.config.compat import MEGATRON_ATTENTION
-from megaulysses.config.schema import Config
+from megaulysses.config.schedule import resolve_schedule, with_default_iters
+from megaulysses.config.schema import Config, LogConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                                    cp=par.context_parallel_size)
     t = cfg.train
     train = replace(
-        t, lr_warmup_iters=warmup_iters(t), lr_warmup_fraction=None,
+        t, lr_warmup_iters=warmup_iters(with_default_iters(t)),
         # one micro-batch per dp rank (Megatron-LM), and pp of them under a pipeline: every
         # stage then has one in flight
         global_batch_size=t.global_batch_size or t.micro_batch_size * dims.dp * dims.pp,
@@ -68,6 +72,18 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                parallel.tp_sequence_parallel, parallel.pipeline_schedule,
                memory.tiled_mlp_chunks)
     check_ring(dims, model)
+    check_profile_ranks(cfg.log, world_size)
+    log = replace(cfg.log, wandb_save_dir=wandb_save_dir(cfg.log, t.save))
+    # the iterations (from --train-samples: whole global batches, the ramp-up's included)
+    train = resolve_schedule(train, dims, parallel.pipeline_schedule)
     layout = tuple(tuple(stage) for stage in pipeline_layout(model.num_layers, parallel))
-    return RunConfig(model=model, data=cfg.data, train=train, log=cfg.log, parallel=parallel,
-                     memory=memory, compat=cfg.compat, dims=dims, layout=layout)
+    return RunConfig(model=model, data=cfg.data, train=train, log=log, parallel=parallel,
+                     memory=memory, compat=cfg.compat, preset=cfg.preset, dims=dims,
+                     layout=layout)
+
+
+def wandb_save_dir(log: LogConfig, save: Optional[str]) -> Optional[str]:
+    """--wandb-save-dir, or <--save>/wandb (Megatron-LM's default); None without wandb."""
+    if not log.wandb_project:
+        return None
+    return log.wandb_save_dir or os.path.join(save, "wandb")

@@ -6,13 +6,16 @@ runs it); `check_grid` and `check_ring` those that need the grid and the vocabul
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Optional
 
 from megaulysses.config.errors import ConfigError, require
 from megaulysses.config.grid import ParallelDims
-from megaulysses.config.schema import (Config, DataConfig, MemoryConfig, ModelConfig,
-                                       ParallelConfig, TrainConfig)
+from megaulysses.config.schedule import (check_micro_batches, check_schedule_flags,
+                                         with_default_iters)
+from megaulysses.config.schema import (Config, DataConfig, LogConfig, MemoryConfig,
+                                       ModelConfig, ParallelConfig, TrainConfig)
 
 
 def validate(cfg: Config) -> None:
@@ -21,10 +24,12 @@ def validate(cfg: Config) -> None:
     these rules derive (warm-up, schedule, recomputed layers)."""
     _validate_model(cfg.model)
     _validate_attention_mask(cfg.model)
-    _validate_train(cfg.train, cfg.model)
+    check_schedule_flags(cfg.train)  # iterations or samples, and --decoupled-lr
+    _validate_train(with_default_iters(cfg.train), cfg.model)
     _validate_data(cfg.data)
     require(cfg.log.peak_tflops is None or cfg.log.peak_tflops > 0, "--peak-tflops",
              f"must be > 0, got {cfg.log.peak_tflops}")
+    _validate_observability(cfg.log, cfg.train.save)
     _validate_pipeline(cfg.parallel)
     backend = cfg.model.attention_backend
     # Needs no device, so --dry-run refuses it too (the trainer checks the rest: which
@@ -92,12 +97,13 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     require(not (t.bf16 and t.fp16), "--bf16", "cannot be combined with --fp16")
     require(t.lr >= 0, "--lr", f"must be >= 0, got {t.lr}")
     require(0 <= t.min_lr <= t.lr, "--min-lr", f"must be in [0, --lr], got {t.min_lr}")
-    require(t.lr_warmup_iters is None or t.lr_warmup_fraction is None, "--lr-warmup-fraction",
-             "cannot be combined with --lr-warmup-iters")
+    # Megatron-LM's rule: a warm-up fraction leaves --lr-warmup-iters at its default 0
+    require(t.lr_warmup_fraction is None or not t.lr_warmup_iters, "--lr-warmup-fraction",
+            "cannot be combined with --lr-warmup-iters")
     decay = t.lr_decay_iters or t.train_iters
-    if t.lr_warmup_iters is None:
-        frac = 0.1 if t.lr_warmup_fraction is None else t.lr_warmup_fraction
-        require(0 <= frac <= 1, "--lr-warmup-fraction", f"must be in [0, 1], got {frac}")
+    frac = t.lr_warmup_fraction
+    require(frac is None or 0 <= frac <= 1, "--lr-warmup-fraction",
+            f"must be in [0, 1], got {frac}")
     warmup = warmup_iters(t)
     require(0 <= warmup <= decay, "--lr-warmup-iters",
             f"must be in [0, --lr-decay-iters or --train-iters = {decay}], got {warmup}")
@@ -128,11 +134,10 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
 
 
 def warmup_iters(t: TrainConfig) -> int:
-    """--lr-warmup-iters, or --lr-warmup-fraction (default 0.1) of the decay iterations."""
-    if t.lr_warmup_iters is not None:
+    """--lr-warmup-fraction of the decay iterations where given, else --lr-warmup-iters."""
+    if t.lr_warmup_fraction is None:
         return t.lr_warmup_iters
-    frac = 0.1 if t.lr_warmup_fraction is None else t.lr_warmup_fraction
-    return int(frac * (t.lr_decay_iters or t.train_iters))
+    return int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
 
 
 def pipeline_schedule(par: ParallelConfig) -> str:
@@ -246,11 +251,28 @@ def _validate_data(d: DataConfig):
             parse_data_path(d.data_path)
         except ValueError as e:
             raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip()) from None
+    _validate_tokenizer(d)
+    require(d.num_workers >= 0, "--num-workers", f"must be >= 0, got {d.num_workers}")
+
+
+def _validate_tokenizer(d: DataConfig):
+    """Each tokenizer type's files (mock data too: the tokenizer sets the vocabulary). That
+    they exist and read is checked where they are opened (training/data.py)."""
+    # parse_args gives the bundled data when there is no data source; a Config built in
+    # Python must name one
+    require(d.mock_data or bool(d.data_path), "--data-path", "required (or --mock-data)")
     if d.tokenizer_type == "NullTokenizer":
         require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
-    else:  # mock data too: the tokenizer sets the vocabulary
+    elif d.tokenizer_type == "SentencePieceTokenizer":
         require(d.tokenizer_model is not None, "--tokenizer-model",
                  f"required with {d.tokenizer_type}")
+    gpt2 = d.tokenizer_type == "GPT2BPETokenizer"
+    for flag, path in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
+        require(path is not None or not gpt2, flag, "required with GPT2BPETokenizer")
+        # Megatron-LM ignores them with other types, but there --tokenizer-type has no
+        # default: here it would mean training silently with the default SentencePiece one.
+        require(path is None or gpt2, flag, "is only used with --tokenizer-type "
+                 f"GPT2BPETokenizer (this run's is {d.tokenizer_type})")
 
 
 def check_grid(dims: ParallelDims, m: ModelConfig, global_batch_size: int,
@@ -294,8 +316,8 @@ def check_grid(dims: ParallelDims, m: ModelConfig, global_batch_size: int,
         raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
                           f"by --micro-batch-size * dp = {micro_batch_size}*{dims.dp}")
     if dims.pp > 1:
-        _check_micro_batches(dims, global_batch_size // (micro_batch_size * dims.dp),
-                                     pipeline_schedule)
+        check_micro_batches(dims, global_batch_size // (micro_batch_size * dims.dp),
+                            pipeline_schedule)
 
 def check_ring(dims: ParallelDims, m: ModelConfig) -> None:
     """What ring attention (cp > 1) needs of the mask and the model."""
@@ -310,13 +332,34 @@ def check_ring(dims: ParallelDims, m: ModelConfig) -> None:
         raise ConfigError("--attention-dropout", "ring attention "
                           "(--context-parallel-size > 1) has no attention dropout")
 
-def _check_micro_batches(dims: ParallelDims, n: int, schedule: str) -> None:
-    """Micro-batches per step = global batch / (micro batch * dp), per schedule."""
-    why = f"gives {n} micro-batches per pipeline (--global-batch-size / " \
-          f"(--micro-batch-size * dp))"
-    if schedule == "1f1b" and n < dims.pp:
-        raise ConfigError("--global-batch-size", f"{why}; 1f1b needs at least pp = "
-                          f"{dims.pp}")
-    if schedule in ("interleaved-1f1b", "zero-bubble") and n % dims.pp:
-        raise ConfigError("--global-batch-size", f"{why}; {schedule} needs a multiple "
-                          f"of pp = {dims.pp}")
+
+def _validate_observability(log: LogConfig, save: Optional[str]) -> None:
+    """The profiler's steps and output, and what wandb needs (issue 28); the profiled ranks
+    need the world size (`check_profile_ranks`)."""
+    start, end = log.profile_step_start, log.profile_step_end
+    require(start >= 0, "--profile-step-start", f"must be >= 0, got {start}")
+    require(end > start, "--profile-step-end",
+            f"must be > --profile-step-start {start} (the trace holds the steps between), "
+            f"got {end}")
+    require(min(log.profile_ranks) >= 0, "--profile-ranks",
+            f"ranks must be >= 0, got {min(log.profile_ranks)}")
+    require(not log.profile or bool(log.tensorboard_dir), "--profile",
+            "needs --tensorboard-dir: the trace is written to "
+            "<--tensorboard-dir>/../torch_profile, as in Megatron-LM")
+    if not log.wandb_project:
+        return
+    require(bool(log.wandb_exp_name), "--wandb-exp-name",
+            "required with --wandb-project (the run's name)")
+    require(bool(log.wandb_save_dir or save), "--wandb-save-dir",
+            "required with --wandb-project when there is no --save (default: <--save>/wandb)")
+    # last: the rules above hold whether or not this machine has the package
+    require(importlib.util.find_spec("wandb") is not None, "--wandb-project",
+            "needs the wandb package, which is not installed (pip install wandb)")
+
+
+def check_profile_ranks(log: LogConfig, world: int) -> None:
+    """--profile-ranks must name ranks of this world."""
+    outside = [r for r in log.profile_ranks if r >= world]
+    require(not (log.profile and outside), "--profile-ranks",
+            f"rank {outside[0] if outside else 0} is outside the world of {world} "
+            f"rank{'s' if world > 1 else ''} (0..{world - 1})")

@@ -6,11 +6,14 @@ for Megatron-LM's name and aliases. `cli.build_parser()` is generated from these
 a default is written in one place only. Values that depend on other flags, the world size
 or the tokenizer are left None here and filled by `resolve()`.
 
-Defaults differ from Megatron-LM in one deliberate way: with no flags at all the run is
-the bundled default, a small Llama-style model (RoPE, RMSNorm, SwiGLU, no biases) on the
-Shakespeare corpus in `data/`. A GPT-2 style model is
-`--position-embedding-type learned_absolute --normalization LayerNorm --no-swiglu
---add-bias-linear`; the start-up log prints the architecture either way.
+Defaults are Megatron-LM's (megatron/training/arguments.py at the commit named in
+megatron.py, which tests/test_megatron_defaults.py holds them against), so a Megatron-LM
+script builds here the model it builds there: a GPT-2 style model (learned absolute
+positions, LayerNorm, GeLU, biases, dropout 0.1). Where Megatron-LM has no default (it
+requires the flag: sizes, batch, iterations, learning rate, tokenizer) ours is the bundled
+run's value. With no --data-path or --mock-data the run is the bundled one, a small
+Llama-style model on the Shakespeare corpus in `data/`: presets.SHAKESPEARE, applied in
+place of the defaults for every flag not given. The start-up log prints every setting.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Optional
 
 from megaulysses.config.compat import MEGATRON_ATTENTION, CompatConfig
 from megaulysses.config.fields import Flag, derived, option
+from megaulysses.config.groups import (COMPAT, DATA, LOGGING, MASK, MEMORY, MODEL, PARALLEL,
+                                       TRAINING)
+from megaulysses.config.schema_run import LogConfig, MemoryConfig, ParallelConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUNDLED_DATA = os.path.join(REPO_ROOT, "data", "shakespeare_text_document")
@@ -30,25 +36,13 @@ BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 # The attention backends: model/attention BACKENDS (not imported: the schema needs no torch).
 ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
 ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
-ZERO_STAGES = (0, 1, 2, 3)
-GRAD_REDUCE_DTYPES = ("fp32", "bf16")
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
 
 # What the attention may see: not part of a checkpoint's shape (any mask loads any weights).
 MASK_FIELDS = ("window_size", "attention_sparsity", "sparse_block_size", "sparse_local_blocks",
                "sparse_global_blocks", "sparse_random_blocks", "sparse_seed")
 
-# The help's groups, in the order --help lists them.
-MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING, COMPAT = (
-    "model", "attention mask (causal always; these narrow it)", "data", "training",
-    "parallelism (data-parallel size = world / (tp*pp*sp*cp))",
-    "activation memory (recomputation, tiling) and the memory plan", "logging",
-    "Megatron-LM flags accepted with no effect here (each logged once, with the reason)")
-GROUPS = (MODEL, MASK, DATA, TRAINING, PARALLEL, MEMORY, LOGGING, COMPAT)
 
 
 def _relative(path: str) -> str:
@@ -61,7 +55,8 @@ class ModelConfig:
     num_layers: int = option(6, "transformer layers", kind="positive")
     hidden_size: int = option(384, "model width", kind="positive")
     ffn_hidden_size: Optional[int] = option(
-        None, "MLP width; default: 4*hidden, or 8*hidden/3 rounded up to 64 with --swiglu",
+        None, "MLP width; default: 4*hidden, or 8*hidden/3 rounded down to a multiple of 64 "
+        "with --swiglu (Megatron-LM's)",
         kind="positive")
     num_attention_heads: int = option(8, "query heads", kind="positive")
     num_query_groups: Optional[int] = option(  # kv heads; None: = num_attention_heads (MHA)
@@ -76,25 +71,29 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = option(
         None, "longest sequence the positions cover; default: --seq-length", kind="positive")
     position_embedding_type: str = option(
-        "rope", "rotary (RoPE) or learned absolute (GPT-2) positions",
-        choices=("rope", "learned_absolute"))
+        "learned_absolute", "rotary (RoPE) or learned absolute (GPT-2) positions",
+        choices=("rope", "learned_absolute"), after=(Flag(
+            "= --position-embedding-type rope (Megatron-LM's older spelling)",
+            names=("--use-rotary-position-embeddings",), action="store_const", const="rope"),))
     rotary_base: float = option(10000.0, "RoPE base frequency (theta)", kind="number")
     normalization: str = option(
-        "RMSNorm", "the norm before attention, before the MLP and at the end",
+        "LayerNorm", "the norm before attention, before the MLP and at the end",
         choices=("RMSNorm", "LayerNorm"))
     norm_epsilon: float = option(1e-05, "epsilon of the norms", kind="number")
-    swiglu: bool = option(True, "SwiGLU MLP; --no-swiglu: GeLU", action="optional")
+    apply_layernorm_1p: bool = option(
+        False, "zero-centered norm weights: each norm (LayerNorm or RMSNorm) stores gamma - 1, "
+        "initialized to 0, and scales by weight + 1 (Megatron-LM's)", action="store_true")
+    swiglu: bool = option(False, "SwiGLU MLP instead of GeLU", action="optional")
     add_bias_linear: bool = option(
-        False, "biases in the linear layers (GPT-2)", action="store_true", before=(Flag(
-            "no biases in the linear layers, as by default (Megatron-LM's flag; "
-            "--add-bias-linear adds them)", names=("--disable-bias-linear",),
-            action="store_false", default=False),))
+        True, "biases in the linear layers (GPT-2)", action="store_true", before=(Flag(
+            "no biases in the linear layers (Llama)", names=("--disable-bias-linear",),
+            action="store_false", default=True),))
     untie_embeddings_and_output_weights: bool = option(
         False, "an output layer of its own instead of the input embedding's weights",
         action="store_true")
-    hidden_dropout: float = option(0.0, "dropout after attention and MLP, in [0, 1)", kind="number")
+    hidden_dropout: float = option(0.1, "dropout after attention and MLP, in [0, 1)", kind="number")
     attention_dropout: float = option(
-        0.0, "dropout of the attention probabilities, in [0, 1)", kind="number")
+        0.1, "dropout of the attention probabilities, in [0, 1)", kind="number")
     init_method_std: float = option(
         0.02, "standard deviation of the initial weights", kind="number")
     vocab_size: int = derived(0)  # the tokenizer's; filled by resolve()
@@ -138,7 +137,7 @@ class ModelConfig:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
         if self.swiglu:
-            return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+            return 64 * int(8 * self.hidden_size / 3 / 64)  # Megatron-LM's rounding
         return 4 * self.hidden_size
 
     @property
@@ -167,9 +166,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: list = option(
-        [BUNDLED_DATA], "PREFIX, PREFIX PREFIX... (equal weights), or W1 PREFIX1 W2 PREFIX2 ... "
-        f"of .bin/.idx pairs; default: {_relative(BUNDLED_DATA)} (the bundled corpus)",
+    data_path: Optional[list] = option(
+        None, "PREFIX, PREFIX PREFIX... (equal weights), or W1 PREFIX1 W2 PREFIX2 ... "
+        f"of .bin/.idx pairs; default: the bundled run (presets.py) on {_relative(BUNDLED_DATA)}",
         nargs="+")
     split: str = option("969,30,1", "train,valid,test weights over the documents, e.g. 98,2,0")
     mock_data: bool = option(
@@ -177,11 +176,16 @@ class DataConfig:
     data_cache_path: Optional[str] = option(
         None, "where the sample indices are cached; default: <first data prefix>_cache")
     tokenizer_type: str = option(
-        "SentencePieceTokenizer", "NullTokenizer: token ids as they are, with --vocab-size",
+        "SentencePieceTokenizer", "GPT2BPETokenizer: GPT-2's byte-level BPE, with --vocab-file "
+        "and --merge-file; NullTokenizer: token ids as they are, with --vocab-size",
         choices=TOKENIZER_TYPES)
     tokenizer_model: Optional[str] = option(
         BUNDLED_TOKENIZER, "the SentencePiece model file; default: "
         f"{_relative(BUNDLED_TOKENIZER)} (the bundled one)")
+    vocab_file: Optional[str] = option(
+        None, "GPT2BPETokenizer: GPT-2's vocab.json (token -> id; its <|endoftext|> ends "
+        "documents)")
+    merge_file: Optional[str] = option(None, "GPT2BPETokenizer: GPT-2's merges.txt (BPE merges)")
     vocab_size: Optional[int] = option(
         None, "NullTokenizer: ids are below this (the end-of-document id is this one); other "
         "tokenizers set the vocabulary themselves", kind="positive")
@@ -192,6 +196,9 @@ class DataConfig:
     reset_attention_mask: bool = option(
         False, "packed documents: tokens attend within their own document only",
         action="store_true")
+    num_workers: int = option(
+        0, "worker processes that build the training batches ahead of the steps (0: built in "
+        "the training process); the batches are the same either way", kind="int")
 
 
 @dataclass(frozen=True)
@@ -200,24 +207,45 @@ class TrainConfig:
     global_batch_size: Optional[int] = option(
         None, "samples per iteration over all data-parallel ranks (default: --micro-batch-size x "
         "dp, x pp under a pipeline: no accumulation)", kind="positive")
-    train_iters: int = option(200, "iterations (optimizer steps) to train", kind="positive")
+    rampup_batch_size: Optional[list] = option(
+        None, "the global batch starts at START and grows by INCREMENT over SAMPLES consumed "
+        "samples up to --global-batch-size (Megatron-LM's ramp-up; needs --train-samples)",
+        kind="positive", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    train_iters: Optional[int] = option(  # None: 200, or from --train-samples (resolve())
+        None, "iterations (optimizer steps) to train; default: 200 without --train-samples",
+        kind="positive")
+    train_samples: Optional[int] = option(
+        None, "samples to train on instead of --train-iters (Megatron-LM's sample-based "
+        "training: the schedule counts samples); whole global batches, a partial last one "
+        "is dropped", kind="positive")
     lr: float = option(0.002, "peak learning rate", kind="number")
     min_lr: float = option(
         0.0, "learning rate at the end of the decay, in [0, --lr]", kind="number")
+    decoupled_lr: Optional[float] = option(
+        None, "peak learning rate of the input embedding and the output layer (Megatron-LM's), "
+        "on --lr's schedule; default: --lr", kind="number")
+    decoupled_min_lr: Optional[float] = option(
+        None, "--decoupled-lr's learning rate at the end of the decay; default: --min-lr",
+        kind="number")
     lr_decay_style: str = option(
-        "cosine", "from --lr down to --min-lr after the warmup",
+        "linear", "from --lr down to --min-lr after the warmup",
         choices=LR_DECAY_STYLES)
-    lr_warmup_iters: Optional[int] = option(
-        None, "iterations of linear warmup; default: --lr-warmup-fraction", kind="int")
+    lr_warmup_iters: int = option(0, "iterations of linear warmup", kind="int")
+    lr_warmup_samples: int = option(
+        0, "samples of linear warmup (with --train-samples)", kind="int")
     lr_warmup_fraction: Optional[float] = option(
-        None, "warmup as a fraction of the decay iterations; default 0.1 when --lr-warmup-iters "
-        "is not given", kind="number")
+        None, "warmup as a fraction of the decay iterations (samples with --train-samples), "
+        "instead of --lr-warmup-iters",
+        kind="number")
     lr_decay_iters: Optional[int] = option(
         None, "iterations over which the learning rate decays (warmup included); default: "
         "--train-iters", kind="positive")
-    weight_decay: float = option(0.1, "AdamW weight decay (not on biases and norms)", kind="number")
+    lr_decay_samples: Optional[int] = option(
+        None, "samples over which the learning rate decays (warmup included; with "
+        "--train-samples); default: --train-samples", kind="positive")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)", kind="number")
     adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)", kind="number")
-    adam_beta2: float = option(0.95, "AdamW beta2, in [0, 1)", kind="number")
+    adam_beta2: float = option(0.999, "AdamW beta2, in [0, 1)", kind="number")
     adam_eps: float = option(1e-08, "AdamW epsilon, > 0", kind="number")
     clip_grad: float = option(
         1.0, "clip the global gradient norm to this; 0 disables clipping", kind="number")
@@ -227,7 +255,7 @@ class TrainConfig:
     loss_scale: Optional[float] = option(
         None, "--fp16: a static loss scale; default: none (dynamic scaling)", kind="number")
     initial_loss_scale: float = option(
-        65536.0, "--fp16 dynamic scaling: the scale to start from", kind="number")
+        4294967296.0, "--fp16 dynamic scaling: the scale to start from (2^32)", kind="number")
     min_loss_scale: float = option(
         1.0, "--fp16 dynamic scaling: the scale never falls below this", kind="number")
     loss_scale_window: int = option(
@@ -237,15 +265,16 @@ class TrainConfig:
         2, "--fp16 dynamic scaling: overflows tolerated before the scale halves", kind="positive")
     seed: int = option(
         1234, "seed of the initial weights, data order, dropout and sampling", kind="int")
-    eval_interval: int = option(
-        50, "evaluate on the valid split every this many iterations", kind="positive")
-    eval_iters: int = option(5, "global batches per evaluation; 0 disables evaluation", kind="int")
+    eval_interval: Optional[int] = option(
+        1000, "evaluate on the valid split every this many iterations (and once training "
+        "ends)", kind="positive")
+    eval_iters: int = option(100, "global batches per evaluation; 0 disables evaluation", kind="int")
     save: Optional[str] = option(None, "checkpoint directory to save to")
     load: Optional[str] = option(
         None, "checkpoint directory (or iter_XXXXXXX directory) to resume from")
     save_interval: Optional[int] = option(
         None, "with --save: save every this many iterations; default: at the end only",
-        kind="positive")
+        kind="positive", names=("--save-interval", "--persistent-save-interval"))
     exit_interval: Optional[int] = option(
         None, "stop after the first iteration divisible by this (saving with --save)",
         kind="positive")
@@ -267,6 +296,17 @@ class TrainConfig:
         False, "load only the model (and RNG) from --load: a fresh optimizer", action="store_true")
     no_load_rng: bool = option(
         False, "do not restore the RNG states saved in --load", action="store_true")
+    no_save_optim: bool = option(
+        False, "checkpoints without the optimizer state (loading one needs --no-load-optim)",
+        action="store_true")
+    no_save_rng: bool = option(
+        False, "checkpoints without the RNG states (loading one needs --no-load-rng)",
+        action="store_true")
+    calculate_per_token_loss: bool = option(
+        False, "the gradient of the global batch's loss summed over tokens / its loss-token "
+        "count (every token weighs alike); default: of each micro-batch's mean over its own "
+        "loss tokens, averaged over the micro-batches (as Megatron-LM). The logged loss is the "
+        "per-token mean either way", action="store_true")
     generate: int = option(
         0, "sample this many tokens from the trained model at the end; 0: off (the run without "
         "flags samples 200)", kind="int")
@@ -279,105 +319,14 @@ class TrainConfig:
         "can still fall do not count)", kind="int")
     deterministic: bool = option(
         False, "CUDA: deterministic kernels only (docs/determinism.md says what it switches on "
-        "and costs); CPU runs are bit-identical without it", action="store_true")
+        "and costs); CPU runs are bit-identical without it", action="store_true",
+        names=("--deterministic", "--deterministic-mode"))
     generate_prompt: str = option(
         "", "--generate: the text the sample continues (default: empty, from the end-of-document "
         "token)")
     generate_temperature: float = option(0.8, "--generate: softmax temperature, > 0", kind="number")
     generate_top_k: int = option(
         40, "--generate: sample among the k likeliest tokens; 0: all", kind="int")
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    log_interval: int = option(
-        10, "log (and write --metrics-jsonl) every this many iterations", kind="positive")
-    tensorboard_dir: Optional[str] = option(None, "write TensorBoard scalars here")
-    metrics_jsonl: Optional[str] = option(
-        None, "write one JSON record per logged iteration and evaluation here")
-    peak_tflops: Optional[float] = option(
-        None, "peak TFLOP/s per device for MFU; default: known GPU table, or a matmul measured "
-        "at start-up on CPU", kind="number")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_model_parallel_size: int = option(
-        1, "tensor-parallel degree tp (Megatron column/row-parallel layers)", kind="positive")
-    tp_sequence_parallel: bool = option(  # Megatron-SP inside the tp group
-        False, "Megatron-style sequence parallelism inside the tensor-parallel group",
-        action="store_true", names=("--sequence-parallel",))
-    ds_sequence_parallel_size: int = option(
-        1, "Ulysses sequence-parallel degree U (all-to-all; heads / tp / U heads per rank)",
-        kind="positive", names=("--ds-sequence-parallel-size", "--ulysses-degree"))
-    context_parallel_size: int = option(
-        1, "ring attention degree C over groups of U Ulysses ranks (sequence degree U * C; "
-        "zigzag chunks for causal balance)", kind="positive")
-    pipeline_model_parallel_size: int = option(
-        1, "pipeline stages (layers split into consecutive blocks)", kind="positive")
-    pipeline_schedule: Optional[str] = option(
-        None, "the order of micro-batch forwards and backwards over the stages; default: 1f1b, "
-        "or interleaved-1f1b with --num-layers-per-virtual-pipeline-stage",
-        choices=PIPELINE_SCHEDULES)
-    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
-        None, "layers per model chunk; each pipeline rank then holds layers / (pp * this) chunks "
-        "(interleaved schedules)", kind="positive")
-    decoder_first_pipeline_num_layers: Optional[int] = option(
-        None, "layers on the first stage (uneven split; the rest evenly)", kind="int")
-    decoder_last_pipeline_num_layers: Optional[int] = option(
-        None, "layers on the last stage (uneven split; the rest evenly)", kind="int")
-    zero_stage: int = option(
-        0, "ZeRO over the data x sequence-parallel ranks: 1 shards optimizer states, 2 also "
-        "gradients, 3 also parameters (see README)", kind="int", choices=ZERO_STAGES)
-    use_distributed_optimizer: bool = option(
-        False, "Megatron-LM's distributed optimizer: optimizer states sharded over the data x "
-        "sequence-parallel ranks, = --zero-stage 1 (a higher --zero-stage shards more and "
-        "stays)", action="store_true")
-    grad_reduce_dtype: str = option(
-        "fp32", "dtype in which gradients are summed over the data x sequence-parallel ranks",
-        choices=GRAD_REDUCE_DTYPES, after=(Flag(
-            "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
-            action="store_const", const="bf16"),))
-    distributed_timeout_minutes: float = option(
-        10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
-        "rank exits non-zero naming the rank(s) it lost", kind="number")
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """Activation memory: recomputation (Megatron-LM's flags) and tiling, and the dry run."""
-    recompute_granularity: Optional[str] = option(
-        None, "full: recompute whole transformer blocks in backward (only their inputs are kept; "
-        "the forward all-to-alls run again); selective: recompute only the attention core "
-        "(between the all-to-alls); default: none (no recomputation)",
-        choices=RECOMPUTE_GRANULARITIES, after=(Flag(
-            "= --recompute-granularity selective", names=("--recompute-activations",),
-            action="store_const", const="selective"),))
-    recompute_method: Optional[str] = option(
-        None, "with --recompute-granularity full: uniform checkpoints groups of "
-        "--recompute-num-layers consecutive layers; block checkpoints the first "
-        "--recompute-num-layers layers of each pipeline stage and keeps the rest's activations "
-        "(default uniform)", choices=RECOMPUTE_METHODS)
-    recompute_num_layers: Optional[int] = option(
-        None, "with --recompute-granularity full: see --recompute-method (default 1)",
-        kind="positive")
-    tiled_mlp_chunks: int = option(
-        1, "run each MLP over the local sequence in this many chunks, recomputed in backward: "
-        "its [tokens, ffn] intermediates exist for one chunk at a time", kind="positive")
-    dry_run: bool = option(
-        False, "validate every flag, build the model on the meta device, print the per-rank "
-        "memory plan and communication bytes, exit 0 without allocating the model or training",
-        action="store_true")
-    dry_run_world_size: Optional[int] = option(
-        None, "with --dry-run on one process: the number of ranks of the grid to plan for "
-        "(default: WORLD_SIZE, or 1)", kind="positive")
-    dry_run_device: Optional[str] = option(
-        None, "with --dry-run: the device to plan for; it picks the attention kernel and the "
-        "loss's chunks (default: cuda if available, else cpu)", choices=("cpu", "cuda"))
-    dry_run_gpu: Optional[str] = option(
-        None, "with --dry-run: plan for cuda and exit 2 unless every stage fits this GPU "
-        "(A100-40GB, A100-80GB, H100, H200: tools/plan.py's table) less 4 GiB reserved for the "
-        "CUDA context, NCCL and fragmentation", kind="gpu")
 
 
 @dataclass(frozen=True)
@@ -390,6 +339,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
+    preset: Optional[str] = None  # presets.py: the preset applied in place of defaults
 
 
 # The help group of each section's flags (a field's own `group` overrides it).

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import Field, fields
 from typing import Any
 
+from megaulysses.config.presets import preset_lines
 from megaulysses.config.resolve import RunConfig
 from megaulysses.config.schema import SECTIONS
 
@@ -37,12 +38,12 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
                 padded_vocab_size=m.padded_vocab_size, ffn_hidden_size=m.ffn_size,
                 kv_channels=m.head_dim, max_position_embeddings=m.max_positions,
                 world_size=d.world, data_parallel_size=d.dp,
-                num_micro_batches=cfg.micro_batches)
+                num_micro_batches=cfg.micro_batches, preset=cfg.preset)
     return rows
 
 
 def format_settings(cfg: RunConfig) -> str:
-    lines = ["------------------------ arguments ------------------------"]
+    lines = preset_lines(cfg) + ["------------------------ arguments ------------------------"]
     for name, value in sorted(settings(cfg).items()):
         lines.append(f"  {name} {'.' * max(2, WIDTH - len(name))} {value}")
     lines.append("-------------------- end of arguments ---------------------")

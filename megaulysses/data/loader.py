@@ -60,11 +60,19 @@ class BatchBuilder:
         self.reset_position_ids, self.reset_attention_mask = (reset_position_ids,
                                                               reset_attention_mask)
 
-    def micro_batches(self, consumed_samples: int) -> list[dict]:
-        """This rank's micro-batches of the global batch starting at `consumed_samples`."""
-        idx = np.arange(consumed_samples, consumed_samples + self.gbs) % len(self.dataset)
-        idx = idx.reshape(self.num_micro, self.dp_size, self.mbs)[:, self.dp_rank]
+    def micro_batches(self, consumed_samples: int,
+                      global_batch: Optional[int] = None) -> list[dict]:
+        """This rank's micro-batches of the global batch starting at `consumed_samples`, of
+        `global_batch` samples (a batch ramp-up's; default: the builder's)."""
+        gbs = global_batch or self.gbs
+        idx = np.arange(consumed_samples, consumed_samples + gbs) % len(self.dataset)
+        idx = idx.reshape(gbs // (self.dp_size * self.mbs), self.dp_size, self.mbs)
+        idx = idx[:, self.dp_rank]
         return [self.collate([self.dataset[int(i)] for i in row]) for row in idx]
+
+    def close(self) -> None:
+        """Nothing to stop: batches are built when asked for (workers.WorkerBatches has
+        processes to stop)."""
 
     def collate(self, samples: Sequence[np.ndarray]) -> dict:
         data = torch.from_numpy(np.stack(samples).astype(np.int64))  # [b, s+1]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, SupportsInt
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+# GPT-2's end-of-text token: Megatron-LM's GPT2BPETokenizer ends documents with it.
+GPT2_EOD = "<|endoftext|>"
 
 
 class Tokenizer:
@@ -49,6 +52,96 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE from its vocab.json and merges.txt (Megatron-LM's
+    GPT2BPETokenizer): the ids of OpenAI's GPT-2 encoder, run by the `tokenizers` library.
+
+    As in Megatron-LM, the vocabulary size is the number of entries in vocab.json, the
+    end-of-document id is that of <|endoftext|>, and no token is special: the text
+    "<|endoftext|>" in a document is tokenized as the characters it is.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer as _Tokenizer  # imported here: only this type needs it
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = _read_gpt2_vocab(vocab_file)
+        merges = _read_gpt2_merges(merge_file, vocab)
+        self._tok = _Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        # GPT-2's pre-tokenizing regex on the UTF-8 bytes mapped to printable characters;
+        # no space is put before the text (GPT-2 encodes "Hello" and " Hello" apart).
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                           use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self.vocab_size = len(vocab)
+        self.eod = vocab[GPT2_EOD]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[SupportsInt]) -> str:
+        # Bytes that end mid-character decode to U+FFFD, as GPT-2's errors="replace".
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _read_gpt2_vocab(path: str) -> dict[str, int]:
+    """vocab.json: every token to its id, the ids 0..n-1, all 256 byte symbols and
+    <|endoftext|> among the tokens (ValueError naming --vocab-file otherwise)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--vocab-file: {path} is not a GPT-2 vocab.json ({e})") from None
+    if not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values()):
+        raise ValueError(f"--vocab-file: {path} is not a GPT-2 vocab.json (a JSON object "
+                         "of token -> integer id)")
+    if sorted(vocab.values()) != list(range(len(vocab))):
+        # The embedding has one row per entry: an id past the count would fall outside it.
+        raise ValueError(f"--vocab-file: {path}: the ids must be 0..{len(vocab) - 1}, each "
+                         "once")
+    from tokenizers import pre_tokenizers
+    # The 256 characters GPT-2 writes the bytes of text as.
+    missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
+    if missing:
+        raise ValueError(f"--vocab-file: {path} is not a byte-level vocabulary: "
+                         f"{len(missing)} of the 256 byte symbols are missing")
+    if GPT2_EOD not in vocab:
+        raise ValueError(f"--vocab-file: {path} has no {GPT2_EOD} token (the "
+                         "end-of-document id)")
+    return vocab
+
+
+def _read_gpt2_merges(path: str, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """merges.txt: a "#version" header line, then one "left right" pair a line, by rank;
+    both tokens and the token they make must be in `vocab`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--merge-file: {path} is not UTF-8 text ({e.reason})") from None
+    # GPT-2 and Megatron-LM drop the first line unread: it must be the header, or a merge
+    # would be lost without a word.
+    if not lines[0].startswith("#version"):
+        raise ValueError(f"--merge-file: {path} does not start with GPT-2's \"#version\" "
+                         "header line")
+    merges = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        pair = line.split()
+        if len(pair) != 2:
+            raise ValueError(f"--merge-file: {path}:{number}: expected two tokens, got "
+                             f"{line!r}")
+        # (`tokenizers` would abort the process on a merge outside the vocabulary.)
+        unknown = [t for t in (*pair, "".join(pair)) if t not in vocab]
+        if unknown:
+            raise ValueError(f"--merge-file: {path}:{number}: {unknown[0]!r} is not in the "
+                             "--vocab-file (the two files do not belong together)")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
 class NullTokenizer(Tokenizer):
     """Text is already token ids separated by whitespace (as in Megatron).
 
@@ -70,7 +163,8 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None) -> Tokenizer:
     """Build a tokenizer from the command-line flags.
 
     Flags a type does not use are ignored (the trainer passes its defaults along).
@@ -79,6 +173,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
         if not tokenizer_model:
             raise ValueError("--tokenizer-model: required for SentencePieceTokenizer")
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path:
+                raise ValueError(f"{flag}: required for GPT2BPETokenizer")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag}: file not found: {path}")
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size: required for NullTokenizer")

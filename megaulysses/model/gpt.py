@@ -59,9 +59,11 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore):
         super().__init__()
-        self.attn_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.attn_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                                    cfg.apply_layernorm_1p)
         self.attn = SelfAttention(cfg, core)
-        self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                                    cfg.apply_layernorm_1p)
         self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
         self.dropout = cfg.hidden_dropout
 
@@ -99,7 +101,8 @@ class Head(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                               cfg.apply_layernorm_1p)
         self.output = (Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
                        if cfg.untie_embeddings_and_output_weights else None)
 
@@ -192,9 +195,10 @@ class GPT(nn.Module):
 
 def initial_value(cfg: ModelConfig, seed: int, name: str, shape: tuple) -> torch.Tensor:
     """Megatron's scheme, on the CPU: normal(0, std) for weights, std/sqrt(2*layers) for the
-    two output projections of each block, zero biases, unit norm weights."""
+    two output projections of each block, zero biases, unit norm weights (zero under
+    --apply-layernorm-1p, which stores gamma - 1)."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = cfg.init_method_std

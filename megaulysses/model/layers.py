@@ -34,21 +34,44 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _zero_centered(norm: nn.Module, zero_centered: bool) -> None:
+    """--apply-layernorm-1p (Megatron-LM's zero-centered gamma): the parameter holds
+    gamma - 1, starting at 0, and the norm scales by weight + 1. Same function, same
+    gradient; the stored values sit near 0, where a 16-bit rounding of them (and the weight
+    decay it has not, being 1-D) loses less."""
+    norm.zero_centered = zero_centered
+    if zero_centered:
+        nn.init.zeros_(norm.weight)
+
+
+def _scale(norm: nn.Module) -> torch.Tensor:
+    """The norm's gamma in fp32, from its weight in the compute dtype (`compute_weight`)."""
+    w = compute_weight(norm.weight).float()
+    return w + 1.0 if norm.zero_centered else w
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`:
     computed in fp32 with the weight in the compute dtype (`compute_weight`)."""
 
+    def __init__(self, size: int, eps: float, zero_centered: bool = False):
+        super().__init__(size, eps=eps)
+        _zero_centered(self, zero_centered)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
-        return rms_norm(x.float(), compute_weight(self.weight).float(), self.eps)
+        return rms_norm(x.float(), _scale(self), self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters) computed in fp32 with its weight and bias in the
     compute dtype (`compute_weight`)."""
 
+    def __init__(self, size: int, eps: float, zero_centered: bool = False):
+        super().__init__(size, eps=eps)
+        _zero_centered(self, zero_centered)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
-        return F.layer_norm(x.float(), self.normalized_shape,
-                            compute_weight(self.weight).float(),
+        return F.layer_norm(x.float(), self.normalized_shape, _scale(self),
                             compute_weight(self.bias).float(), self.eps)
 
 
@@ -60,10 +83,11 @@ class EmbeddingTable(nn.Embedding):
         return F.embedding(ids, compute_weight(self.weight)).float()
 
 
-def build_norm(kind: str, size: int, eps: float) -> nn.Module:
+def build_norm(kind: str, size: int, eps: float, zero_centered: bool = False) -> nn.Module:
+    """`kind`: "RMSNorm" or "LayerNorm"; `zero_centered`: --apply-layernorm-1p."""
     if kind == "RMSNorm":
-        return RMSNorm(size, eps=eps)
-    return LayerNorm(size, eps=eps)
+        return RMSNorm(size, eps, zero_centered)
+    return LayerNorm(size, eps, zero_centered)
 
 
 class MLP(nn.Module):

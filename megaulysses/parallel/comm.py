@@ -16,19 +16,25 @@ or pairwise exchange puts on the wire; the chunk a rank keeps is not counted):
                                      pipelining issues them, counted in `count_p2p`)
     ring            N                N = each tensor passed to the next rank of the ring
                                      (ring attention's key/value blocks and gradients)
+
+With --log-timers-to-tensorboard each collective is also timed, by kind, in
+`stats.timers` (parallel/timers.py): the call, plus the wait on an asynchronous one's work
+where our code waits (the seconds it was exposed); FSDP2's own asynchronous all-gathers
+are timed at issue only (FSDP waits on them itself). Off, no clock is read and nothing
+synchronizes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from megaulysses.parallel.comm_stats import (BYTE_KINDS, OTHER_GROUP, CommStats,  # noqa: F401
+                                             _FunctionalCollectiveCounter, _nbytes)
 from megaulysses.parallel.dims import DP_SP, TP
 
 if TYPE_CHECKING:
@@ -38,43 +44,6 @@ if TYPE_CHECKING:
 # torch 2.13 renamed these; the old names still work but warn.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-OTHER_GROUP = "other"  # CommStats' group for collectives on a group that is no mesh dim
-BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring")
-
-
-class CommStats:
-    """Bytes sent by this rank per (group, collective kind), since the last `pop`. The
-    group is the mesh dim name: it says which link the bytes cross (tools/plan.py)."""
-
-    def __init__(self):
-        self.bytes = defaultdict(int)  # (group, kind) -> bytes
-        self.counting = True
-
-    def add(self, kind: str, nbytes: float, group: str) -> None:
-        if self.counting:
-            self.bytes[(group, kind)] += int(nbytes)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Collectives inside are not counted (e.g. evaluation between training steps)."""
-        before, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = before
-
-    def pop(self, by_group: bool = False) -> dict:
-        """Bytes per kind ({kind: bytes}), or with `by_group` per {(group, kind): bytes}."""
-        out = dict(self.bytes)
-        self.bytes.clear()
-        if by_group:
-            return out
-        kinds = defaultdict(int)
-        for (_, kind), n in out.items():
-            kinds[kind] += n
-        return dict(kinds)
 
 
 class Comm:
@@ -113,8 +82,10 @@ class Comm:
         if p == 1:
             return None
         self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p, dim)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
-                               async_op=async_op)
+        with self.stats.timed("all_reduce", tensor):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(dim),
+                                   async_op=async_op)
+        return self.stats.timed_work(work, "all_reduce", tensor)
 
     def all_reduce_max(self, tensor: torch.Tensor, dim: str) -> None:
         """In place: the elementwise max over the `dim` group (the vocab-parallel cross
@@ -123,7 +94,8 @@ class Comm:
         if p == 1:
             return
         self.stats.add("all_reduce", 2 * _nbytes(tensor) * (p - 1) / p, dim)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
+        with self.stats.timed("all_reduce", tensor):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group(dim))
 
     def pair_sum(self, tensor: torch.Tensor, dim: str, peer: int) -> None:
         """In place: `tensor` + the same tensor of rank `peer` of the `dim` group (which
@@ -133,10 +105,11 @@ class Comm:
         other = dist.get_global_rank(group, peer)
         received = torch.empty_like(tensor)
         self.stats.add("p2p", _nbytes(tensor), dim)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, other, group),
-                                        dist.P2POp(dist.irecv, received, other, group)])
-        for w in works:
-            w.wait()
+        with self.stats.timed("p2p", tensor):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, other, group),
+                                            dist.P2POp(dist.irecv, received, other, group)])
+            for w in works:
+                w.wait()
         tensor += received
 
     def ring_pass(self, tensors: list, dim: str) -> "RingPass":
@@ -151,7 +124,10 @@ class Comm:
         ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
         for t in tensors:
             self.stats.add("ring", _nbytes(t), dim)
-        return RingPass(dist.batch_isend_irecv(ops), received)
+        timed = lambda: self.stats.timed("ring", tensors[0])  # noqa: E731
+        with timed():
+            works = dist.batch_isend_irecv(ops)
+        return RingPass(works, received, timed)
 
     def count_p2p(self, ops: Iterable[dist.P2POp], dim: str) -> None:
         """Count the sends among torch.distributed.pipelining's P2POps (it issues them
@@ -181,6 +157,19 @@ class Comm:
                          device=self.meshes["world"].device_type)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: not itself counted
         return {k: v for k, v in zip(BYTE_KINDS, t.tolist()) if v}
+
+    def pop_slowest_seconds(self, names: tuple[str, ...]) -> dict:
+        """Seconds per timer name (`stats.timers`) since the last call, of the rank that
+        spent the most on each (Megatron-LM reports its timers' maximum over ranks).
+        Every rank must call it, with the same names."""
+        mine = self.stats.timers.pop()
+        values = [mine.get(name, 0.0) for name in names]
+        if self.meshes:
+            t = torch.tensor(values, dtype=torch.float64,
+                             device=self.meshes["world"].device_type)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: neither counted nor timed
+            values = t.tolist()
+        return dict(zip(names, values))
 
     def barrier(self) -> None:
         if self.meshes:
@@ -229,7 +218,8 @@ class Comm:
         send = torch.stack(chunks)  # [P, ...chunk]: the chunk for rank i at index i
         recv = torch.empty_like(send)
         self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p, dim)
-        dist.all_to_all_single(recv, send, group=self.group(dim))
+        with self.stats.timed("all_to_all", send):
+            dist.all_to_all_single(recv, send, group=self.group(dim))
         return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
@@ -252,7 +242,8 @@ class Comm:
         out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
                           device=x.device)  # ranks' inputs stacked along dim 0
         self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
-        _ALL_GATHER(out, x.contiguous(), group=self.group(dim))
+        with self.stats.timed("all_gather", out):
+            _ALL_GATHER(out, x.contiguous(), group=self.group(dim))
         return torch.cat(out.chunk(p, dim=0), dim=gather_dim)
 
     def _reduce_scatter_raw(self, x, dim: str, scatter_dim: int):
@@ -261,7 +252,8 @@ class Comm:
         send = torch.cat([c.contiguous() for c in chunks], dim=0)  # chunk i for rank i
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         self.stats.add("reduce_scatter", _nbytes(send) * (p - 1) / p, dim)
-        _REDUCE_SCATTER(out, send, op=dist.ReduceOp.SUM, group=self.group(dim))
+        with self.stats.timed("reduce_scatter", send):
+            _REDUCE_SCATTER(out, send, op=dist.ReduceOp.SUM, group=self.group(dim))
         return out
 
     # -- ZeRO: collectives on flat buffers, and FSDP2's own collectives counted ----------
@@ -271,15 +263,19 @@ class Comm:
         """`out` = this rank's 1/P of the sum over ranks of the flat `inp` (P pieces)."""
         p = self.size(dim)
         self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p, dim)
-        return _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group(dim),
-                               async_op=async_op)
+        with self.stats.timed("reduce_scatter", inp):
+            work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group(dim),
+                                   async_op=async_op)
+        return self.stats.timed_work(work, "reduce_scatter", inp)
 
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
                         async_op: bool = False) -> Optional[dist.Work]:
         """`out` = every rank's flat `inp`, in rank order."""
         p = self.size(dim)
         self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
-        return _ALL_GATHER(out, inp, group=self.group(dim), async_op=async_op)
+        with self.stats.timed("all_gather", out):
+            work = _ALL_GATHER(out, inp, group=self.group(dim), async_op=async_op)
+        return self.stats.timed_work(work, "all_gather", out)
 
     def fsdp_collectives(self) -> tuple[_FsdpAllGather, _FsdpReduceScatter]:
         """(all-gather, reduce-scatter) for FSDP2's `set_custom_all_gather` /
@@ -302,12 +298,14 @@ class Comm:
 
 
 class RingPass:
-    def __init__(self, works: list, received: list):
-        self.works, self.received = works, received
+    def __init__(self, works: list, received: list,
+                 timed: Callable[[], contextlib.AbstractContextManager]):
+        self.works, self.received, self.timed = works, received, timed
 
     def wait(self) -> list:
-        for w in self.works:
-            w.wait()
+        with self.timed():
+            for w in self.works:
+                w.wait()
         return self.received
 
 
@@ -322,7 +320,8 @@ class _FsdpAllGather:
         p = group.size()
         self.stats.add("all_gather", _nbytes(output_tensor) * (p - 1) / p,
                        self.dim_of_group(group.group_name))
-        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+        with self.stats.timed("all_gather", output_tensor):
+            return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _FsdpReduceScatter(_FsdpAllGather):
@@ -330,8 +329,9 @@ class _FsdpReduceScatter(_FsdpAllGather):
         p = group.size()
         self.stats.add("reduce_scatter", _nbytes(input_tensor) * (p - 1) / p,
                        self.dim_of_group(group.group_name))
-        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
-                               async_op=async_op)
+        with self.stats.timed("reduce_scatter", input_tensor):
+            return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
+                                   async_op=async_op)
 
 
 class _AllGather(torch.autograd.Function):
@@ -367,33 +367,3 @@ class _AllToAll(torch.autograd.Function):
         scatter_dim, gather_dim = ctx.dims
         g = ctx.comm._all_to_all_raw(grad.contiguous(), ctx.dim, gather_dim, scatter_dim)
         return g, None, None, None, None
-
-
-class _FunctionalCollectiveCounter(TorchDispatchMode):
-    """Bytes of `_c10d_functional` collectives, by the conventions of the module doc."""
-
-    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-             "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
-
-    def __init__(self, stats: CommStats, dim_of_group):
-        super().__init__()
-        self.stats, self.dim_of_group = stats, dim_of_group
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional":
-            kind = self.KINDS.get(func.__name__.split(".")[0])
-            if kind is not None:
-                self._count(kind, args)
-        return func(*args, **(kwargs or {}))
-
-    def _count(self, kind: str, args):
-        x, group_name = args[0], args[-1]
-        p = dist.distributed_c10d._resolve_process_group(group_name).size()
-        n = _nbytes(x)
-        sent = {"all_gather": n * (p - 1), "reduce_scatter": n * (p - 1) / p,
-                "all_reduce": 2 * n * (p - 1) / p, "all_to_all": n * (p - 1) / p}[kind]
-        self.stats.add(kind, sent, self.dim_of_group(group_name))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -1,12 +1,15 @@
 """The global gradient norm of a grid, from the pieces of gradient each rank holds, and
 clipping by it. Squares are summed per kind of piece, then over the mesh dims whose ranks
-hold the other pieces (tensor-parallel shards, ZeRO rows), then over pipeline stages."""
+hold the other pieces (tensor-parallel shards, ZeRO rows), then over pipeline stages.
+The same sum gives the logged parameter norm and count of zero gradient entries
+(--log-params-norm, --log-num-zeros-in-grad)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -18,7 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class GradPart:
-    """One tensor of this rank's (already reduced) gradients, as the optimizer will use it.
+    """One tensor of this rank's (already reduced) gradients, as the optimizer will use it
+    (or of its parameters, for their norm).
 
     `summed_over`: the mesh dims whose ranks hold the other pieces of the same gradient
     (their squared norms add up): TP for a tensor-parallel shard, DP_SP for a ZeRO
@@ -54,25 +58,62 @@ def _global_norm(parts: list[GradPart], comm) -> float:
     """Squares are summed in fp64: an fp32 norm of a large tensor is off by ~1e-5 relative
     (seen on the bundled model's embedding), enough for two grids' clipping to differ and
     their runs to drift apart; in fp64 every grid gets the same norm to ~1e-12."""
-    if comm is None or not comm.meshes:  # one process: every gradient is whole and here
-        return float(_sum_sq([p.tensor for p in parts], "cpu").sqrt())
+    return float(global_sum(parts, comm, _squares).sqrt())
+
+
+def global_sum(parts: list[GradPart], comm: Optional[Comm],
+               of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The sum over the whole grid of `of(piece)` (a 0-dim fp64 tensor: a sum over the
+    piece's elements) for every counted part, each element of the model once: 0-dim fp64
+    on the collectives' device (the CPU on one process)."""
+    parts = [p for p in parts if p.counted]
+    if comm is None or not comm.meshes:  # one process: every tensor is whole and here
+        return _sum_of([p.tensor for p in parts], "cpu", of)
     device = comm.meshes["world"].device_type
-    sq = {dims: _sum_sq([p.tensor for p in parts if p.summed_over == dims], device)
-          for dims in ((), (TP,), (DP_SP,), (DP_SP, TP))}
+    sums = {dims: _sum_of([p.tensor for p in parts if p.summed_over == dims], device, of)
+            for dims in ((), (TP,), (DP_SP,), (DP_SP, TP))}
     # Every rank of a tp or dp_sp group holds the same kinds of parts (same stage), so each
     # group's ranks meet in the same collectives below.
-    tp_sums = torch.stack([sq[(DP_SP, TP)], sq[(TP,)]])
+    tp_sums = torch.stack([sums[(DP_SP, TP)], sums[(TP,)]])
     comm.all_reduce_sum(tp_sums, TP)
-    zero = tp_sums[0] + sq[(DP_SP,)]
+    zero = tp_sums[0] + sums[(DP_SP,)]
     comm.all_reduce_sum(zero, DP_SP)
-    total = zero + tp_sums[1] + sq[()]
+    total = zero + tp_sums[1] + sums[()]
     comm.all_reduce_sum(total, PP)
-    return float(total.sqrt())
+    return total
 
 
-def _sum_sq(tensors: list, device) -> torch.Tensor:
-    """Sum of squares of every element, fp64, on `device` (a collective's device)."""
+def _squares(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
+
+
+def _zeros(t: torch.Tensor) -> torch.Tensor:
+    return (t.numel() - torch.count_nonzero(t)).to(torch.float64)
+
+
+def _sum_of(tensors: list, device, of) -> torch.Tensor:
+    """Sum of `of` over `tensors`, fp64, on `device` (a collective's device)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors])
-    return (norms ** 2).sum().to(device)
+    return torch.stack([of(t) for t in tensors]).sum().to(device)
+
+
+@torch.no_grad()
+def params_norm(parts: list[GradPart], comm: Optional[Comm] = None) -> float:
+    """--log-params-norm: the L2 norm of the whole model's parameters, from the pieces
+    each rank holds (`Zero.param_parts`), each parameter once. Metrics only: its
+    collectives are neither counted nor timed."""
+    with _metrics_only(comm):
+        return float(global_sum(parts, comm, _squares).sqrt())
+
+
+@torch.no_grad()
+def num_zeros(parts: list[GradPart], comm: Optional[Comm] = None) -> int:
+    """--log-num-zeros-in-grad: the zero entries of the whole model's reduced gradients
+    (`Zero.grad_parts`), each parameter once. Metrics only, as `params_norm`."""
+    with _metrics_only(comm):
+        return int(global_sum(parts, comm, _zeros))
+
+
+def _metrics_only(comm: Optional[Comm]):
+    return comm.stats.paused() if comm is not None else contextlib.nullcontext()

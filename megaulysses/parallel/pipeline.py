@@ -19,9 +19,10 @@ same initial value). After backward the gradients of the two copies are summed b
 the first and the last stage (`Comm.pair_sum`: both get a + b, bitwise equal), so the
 copies stay identical; the norm counts the first stage's copy only.
 
-Loss: the last stage's loss function sums the token losses under the loss mask and
-scales by (loss scale / global loss-token count), the same contract as without pipeline;
-the schedule does not rescale gradients (`scale_grads=False`).
+Loss: the last stage's loss function sums each micro-batch's token losses under the loss
+mask and scales the sum by that micro-batch's factor (loss scale x its weight,
+training/loss_weights.py), the same contract as without pipeline; the schedule does not
+rescale gradients (`scale_grads=False`).
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ class StageModule(nn.Module):
 
 
 class _Stage(PipelineStage):
-    """PipelineStage whose sends are counted in the Comm's byte ledger, with a hook that
-    runs before the last micro-batch's backward (to start the dp x sp gradient reduction
-    while that backward runs)."""
+    """PipelineStage whose sends are counted in the Comm's byte ledger and whose forward
+    and backward chunks are timed in its timers (when on), with a hook that runs before
+    the last micro-batch's backward (to start the dp x sp gradient reduction while that
+    backward runs)."""
 
     def __init__(self, *args, comm: Comm, **kwargs):
         super().__init__(*args, **kwargs)
@@ -115,6 +117,10 @@ class _Stage(PipelineStage):
         self.comm.count_p2p(ops, PP)
         return ops
 
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.comm.stats.timers("forward", self.device.type):
+            return super().forward_one_chunk(*args, **kwargs)
+
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
         # torch's schedules call this in evaluation too (it returns at once there): the
@@ -122,8 +128,14 @@ class _Stage(PipelineStage):
         if (last_backward and full_backward and self.has_backward
                 and self.before_last_backward is not None):
             self.before_last_backward()
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)
+        with self.comm.stats.timers("backward", self.device.type):
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                              full_backward=full_backward,
+                                              last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):  # zero-bubble's weight gradients
+        with self.comm.stats.timers("backward", self.device.type):
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
 
 def stage_modules(model: GPT, layout: list[list[int]],
@@ -149,9 +161,8 @@ class Pipeline:
         self.stage_ids = local_stages(len(layout), pp, rank)
         self.stages = [self._stage(module, s, len(layout), micro_shape, device)
                        for module, s in zip(modules, self.stage_ids)]
-        cls = SCHEDULES[schedule]
-        self.schedule = cls(self.stages[0] if schedule in SINGLE_STAGE else self.stages,
-                            n_micro, loss_fn=self._loss, scale_grads=False)
+        self._schedules: dict = {}
+        self._schedule_for(n_micro)  # the full-size one now: torch refuses a count at build
         self.has_first, self.has_last = 0 in self.stage_ids, len(layout) - 1 in self.stage_ids
         tied = not model.cfg.untie_embeddings_and_output_weights
         self.tied_peer = None  # the tied pair: pipeline rank 0 (stage 0) and rank pp - 1
@@ -162,7 +173,7 @@ class Pipeline:
         self.norm_excluded = ([model.embed.word.weight] if tied and self.has_last
                               and not self.has_first else [])
         self._sums: list = []
-        self._grad_scale = 1.0
+        self._grad_scales: list[float] = []
 
     def _stage(self, module, s: int, num_stages: int, micro_shape: tuple, device):
         b, s_tok, s_hid, h = micro_shape
@@ -175,10 +186,24 @@ class Pipeline:
         return _Stage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
                       group=self.comm.group(PP), comm=self.comm)
 
+    def _schedule_for(self, n_micro: int):
+        """The schedule of a step of `n_micro` micro-batches, built at its first use: a
+        --rampup-batch-size run steps with several counts (evaluation with the full one).
+        The schedules share the stages; each prepares their buffers for its count when
+        first run, and the counts a later one uses were prepared alike."""
+        if n_micro not in self._schedules:
+            stages = self.stages[0] if self.schedule_name in SINGLE_STAGE else self.stages
+            self._schedules[n_micro] = SCHEDULES[self.schedule_name](
+                stages, n_micro, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[n_micro]
+
     def _loss(self, losses, mask):  # per-token losses [b, s/sp] fp32, loss mask [b, s/sp]
+        # The last stage computes the micro-batches' losses in order: the i-th call is
+        # micro-batch i.
         micro = (losses * mask).sum()
+        scale = self._grad_scales[len(self._sums)]
         self._sums.append(micro.detach())
-        return micro * self._grad_scale
+        return micro * scale
 
     def _run(self, batches: list[dict], train: bool) -> float:
         # The schedule cuts these [n*b, s/sp] tensors back into the n micro-batches.
@@ -188,23 +213,30 @@ class Pipeline:
         if "documents" in cat:  # whole-sample document ids [n*b, S], cut like the rest
             inputs["documents"] = cat["documents"]
         self._sums = []
+        schedule = self._schedule_for(len(batches))
         if train:
-            self.schedule.step(cat["tokens"], return_outputs=False, **inputs)
+            # timers on: the schedule's time outside the stages' forward and backward
+            # (sends, receives, waiting for the other stages) is the step's p2p time
+            with self.comm.stats.timers.remainder("p2p", ("forward", "backward"),
+                                                  cat["tokens"].device.type):
+                schedule.step(cat["tokens"], return_outputs=False, **inputs)
         else:
-            self.schedule.eval(cat["tokens"], **inputs)
+            schedule.eval(cat["tokens"], **inputs)
         total = torch.zeros(())
         for micro in self._sums:  # in micro-batch order, as the one-process loop adds them
             total += micro.float().cpu()
         return float(total)
 
-    def step(self, batches: list[dict], grad_scale: float) -> float:
+    def step(self, batches: list[dict], grad_scales: list[float]) -> float:
         """Forward and backward of every micro-batch; returns this rank's masked loss sum
-        (non-zero on the last stage only). Gradients are those of sum * grad_scale."""
-        self._grad_scale = grad_scale
+        (non-zero on the last stage only). Gradients are those of
+        sum_i(micro-batch i's sum * grad_scales[i])."""
+        self._grad_scales = list(grad_scales)
         return self._run(batches, train=True)
 
     def evaluate(self, batches: list[dict]) -> float:
         """Forward only; this rank's masked loss sum (non-zero on the last stage only)."""
+        self._grad_scales = [1.0] * len(batches)
         return self._run(batches, train=False)
 
     def overlap_grad_reduction(self, arm: Callable[[], None]) -> None:

@@ -308,6 +308,16 @@ class Zero:
                          id(p) not in skip)
                 for p in self.params if self._has_grad(p)]
 
+    def param_parts(self, excluded: Iterable[torch.Tensor] = ()) -> list:
+        """This rank's pieces of the parameters, between steps, for their global norm:
+        FSDP's shards (stages 2, 3) add up over dp x sp, tensor-parallel shards over tp;
+        stages 0 and 1 hold whole (replicated) parameters."""
+        skip = {id(p) for p in excluded}
+        sharded = (DIM,) if self.stage >= 2 and self.comm.size(DIM) > 1 else ()
+        return [GradPart(_local(p).detach(), sharded + ((TP,) if _tp_sharded(p) else ()),
+                         id(p) not in skip)
+                for p in self.params]
+
     def _has_grad(self, p) -> bool:
         if self.stage == 1 and self.reducer is not None:
             return p in self.reducer.shard_grads

@@ -6,7 +6,8 @@ Layout of `--save DIR`:
                                  shapes, whatever grid saved them), "optim.<...>"
         trainer_state.json       iteration, consumed samples, loss scaler, model shape,
                                  LR schedule, data, tokenizer, the flags of the run
-        tokenizer.model          a copy of the run's tokenizer (self-contained checkpoint)
+        tokenizer.model          a copy of the run's tokenizer (self-contained checkpoint);
+        vocab.json, merges.txt   GPT2BPETokenizer's two files instead
         rng_rank00000.pt         python / numpy / torch (/ cuda) RNG states of each rank
         COMMITTED                written last: the checkpoint is complete
     DIR/latest_checkpointed_iteration.txt   "100" (Megatron's name for the `latest` marker)
@@ -19,7 +20,9 @@ COMMITTED (a copy cut short, a non-atomic file system) is skipped with a warning
 
 A checkpoint written by tools/convert_checkpoint.py holds only the model ("contents":
 ["model"] in trainer_state.json): loading it starts at its iteration (0) with a fresh
-optimizer, as continued pretraining from imported weights.
+optimizer, as continued pretraining from imported weights. A training run saves "optim"
+and "rng" too, unless --no-save-optim / --no-save-rng; loading such a checkpoint then needs
+--no-load-optim / --no-load-rng (Megatron-LM's rule).
 """
 
 from __future__ import annotations
@@ -63,7 +66,11 @@ MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 COMMIT_FILE = "COMMITTED"
 TOKENIZER_FILE = "tokenizer.model"
+GPT2_VOCAB_FILE, GPT2_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's own names
 VOCAB_KEYS = ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by")
+# Model shape keys newer than the first checkpoints, with the value every checkpoint saved
+# without the key has (ModelConfig's default then).
+SHAPE_ADDED_LATER = {"apply_layernorm_1p": False}
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
 # pipeline stages hold different parameters, so a nested per-rank list of param groups
@@ -130,10 +137,13 @@ def _fsync_dir(path: str):
 
 # -- saving -------------------------------------------------------------------------------
 
-def _state_dicts(model, optimizer) -> tuple[dict, dict]:
+def _state_dicts(model, optimizer) -> tuple[dict, Optional[dict]]:
     """Model and optimizer state, keyed by parameter name, as DTensors where sharded. The
-    ZeRO-1 optimizer gives its own (same keys and global shapes as torch's)."""
+    ZeRO-1 optimizer gives its own (same keys and global shapes as torch's). No optimizer
+    (None): no optimizer state."""
     model_sd = get_model_state_dict(model, options=OPTIONS)
+    if optimizer is None:
+        return model_sd, None
     if hasattr(optimizer, "dcp_state_dict"):
         return model_sd, optimizer.dcp_state_dict(_names(model))
     return model_sd, get_optimizer_state_dict(model, optimizer, options=OPTIONS)
@@ -265,8 +275,9 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
     meta = read_meta(path)
     check_meta(path, meta, expect)
     contents = meta.get("contents", ["model", "optim", "rng"])
+    _check_contents(path, meta, contents, load_optim, load_rng)
     with_optim = load_optim and "optim" in contents
-    model_sd, optim_sd = _state_dicts(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer if with_optim else None)
     state_dict = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
     rng = _load_dcp(path, state_dict, rank if load_rng and "rng" in contents else None)
     set_model_state_dict(model, state_dict["model"], options=OPTIONS)
@@ -276,7 +287,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
         set_optimizer_state_dict(model, optimizer, state_dict["optim"], options=OPTIONS)
     else:
         log.info("%s: model only (%s): the optimizer starts fresh", path,
-                 "--no-load-optim" if "optim" in contents else "an imported checkpoint")
+                 "--no-load-optim" if not load_optim else "an imported checkpoint")
     if rng is not None:
         _set_rng_state(rng)
     log.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
@@ -284,6 +295,23 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
                       consumed_train_samples=meta["consumed_train_samples"],
                       skipped_iterations=meta.get("skipped_iterations", 0),
                       loss_scaler=meta.get("loss_scaler", {}) if with_optim else {}), meta
+
+
+def _check_contents(path: str, meta: dict, contents: list, load_optim: bool,
+                    load_rng: bool) -> None:
+    """A training run's checkpoint saved without its optimizer state (--no-save-optim) or
+    RNG states (--no-save-rng) loads only when the run is told to go without them
+    (--no-load-optim, --no-load-rng), as in Megatron-LM. An imported checkpoint
+    (tools/convert_checkpoint.py: the model only, no run's flags) needs neither: it
+    starts a fresh optimizer, as Megatron-LM's release checkpoints do."""
+    if "args" not in meta:
+        return
+    for part, wanted, saved_without, flag, what in (
+            ("optim", load_optim, "--no-save-optim", "--no-load-optim", "optimizer state"),
+            ("rng", load_rng, "--no-save-rng", "--no-load-rng", "RNG states")):
+        if wanted and part not in contents:
+            raise CheckpointError(f"{flag}: {path} was saved with {saved_without} (it holds "
+                                  f"no {what}): pass {flag} to load it anyway")
 
 
 def _load_dcp(path: str, state_dict: dict, rng_rank: Optional[int]) -> Optional[dict]:
@@ -345,9 +373,10 @@ def check_meta(path: str, saved: dict, expect: dict) -> None:
     free = set(VOCAB_KEYS) | {"seq_length"}  # the data's length: no weight depends on it
     if expect["model"].get("position_embedding_type") == "rope":
         free.add("max_position_embeddings")  # rotary tables are computed, not stored
-    differ = [("--" + key.replace("_", "-"), shape.get(key), value)
+    saved_value = {**SHAPE_ADDED_LATER, **shape}.get
+    differ = [("--" + key.replace("_", "-"), saved_value(key), value)
               for key, value in expect["model"].items()
-              if key not in free and shape.get(key) != value]
+              if key not in free and saved_value(key) != value]
     if len(differ) == 1:  # the usual case: one flag changed
         flag, old, new = differ[0]
         raise CheckpointError(f"--load: {path} was saved with {flag}={old} but this run "
@@ -381,8 +410,12 @@ def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer_sha256(path: str) -> str:
-    return file_sha256(path)  # once per run: every save records it
+def tokenizer_sha256(*paths: str) -> str:
+    """The tokenizer's identity: its file's sha256, or for several files (GPT-2's vocab and
+    merges, in that order) the sha256 of their sha256s. Once per run: every save records it."""
+    if len(paths) == 1:
+        return file_sha256(paths[0])
+    return hashlib.sha256(" ".join(map(file_sha256, paths)).encode()).hexdigest()
 
 
 def tokenizer_meta(cfg: Config, vocab_size: int) -> dict:
@@ -391,20 +424,27 @@ def tokenizer_meta(cfg: Config, vocab_size: int) -> dict:
     if d.tokenizer_type == "NullTokenizer":
         return {"type": d.tokenizer_type, "vocab_size": vocab_size,
                 "flag": f"--vocab-size {d.vocab_size} (NullTokenizer)"}
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return {"type": d.tokenizer_type, "vocab_size": vocab_size,
+                "sha256": tokenizer_sha256(d.vocab_file, d.merge_file),
+                "flag": f"--vocab-file {d.vocab_file} --merge-file {d.merge_file}"}
     return {"type": d.tokenizer_type, "vocab_size": vocab_size,
-            "sha256": _tokenizer_sha256(d.tokenizer_model),
+            "sha256": tokenizer_sha256(d.tokenizer_model),
             "flag": f"--tokenizer-model {d.tokenizer_model}"}
 
 
 def schedule_meta(t: TrainConfig) -> dict:
     return {"lr": t.lr, "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style,
             "lr_warmup_iters": t.lr_warmup_iters,
-            "lr_decay_iters": t.lr_decay_iters or t.train_iters}
+            "lr_decay_iters": t.lr_decay_iters or t.train_iters,
+            **{k: getattr(t, k) for k in ("train_samples", "lr_warmup_samples",
+                                          "lr_decay_samples", "rampup_batch_size",
+                                          "decoupled_lr", "decoupled_min_lr")}}
 
 
 def data_meta(cfg: Config) -> dict:
     d = cfg.data
-    return {"data_path": list(d.data_path), "split": d.split, "seed": cfg.train.seed,
+    return {"data_path": list(d.data_path or ()), "split": d.split, "seed": cfg.train.seed,
             "mock_data": d.mock_data, "seq_length": cfg.model.seq_length}
 
 

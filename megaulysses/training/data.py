@@ -23,21 +23,46 @@ log = logging.getLogger(__name__)
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
     d = cfg.data
-    if d.tokenizer_type == "SentencePieceTokenizer" and not os.path.isfile(d.tokenizer_model or ""):
-        raise ConfigError("--tokenizer-model", f"file not found: {d.tokenizer_model}")
+    for flag, path in _tokenizer_paths(cfg):
+        if not os.path.isfile(path or ""):
+            raise ConfigError(flag, f"file not found: {path}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(flag, f"{path}: cannot read (permission denied)")
     try:
-        return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+        return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size,
+                               d.vocab_file, d.merge_file)
     except (OSError, ValueError, RuntimeError) as e:
-        flag = "--vocab-size" if d.tokenizer_type == "NullTokenizer" else "--tokenizer-model"
-        reason = str(e).removeprefix(f"{flag}:").strip()
-        raise ConfigError(flag, f"cannot load {d.tokenizer_model}: {reason}")
+        raise _load_error(cfg, str(e)) from None
+
+
+def _load_error(cfg: Config, message: str) -> ConfigError:
+    d = cfg.data
+    if d.tokenizer_type == "GPT2BPETokenizer":  # its messages start with the flag, name the file
+        flag, _, reason = message.partition(": ")
+        if flag in ("--vocab-file", "--merge-file"):
+            return ConfigError(flag, reason)
+        return ConfigError("--vocab-file/--merge-file", message)
+    flag = "--vocab-size" if d.tokenizer_type == "NullTokenizer" else "--tokenizer-model"
+    reason = message.removeprefix(f"{flag}:").strip()
+    return ConfigError(flag, f"cannot load {d.tokenizer_model}: {reason}")
+
+
+def _tokenizer_paths(cfg: Config) -> list[tuple[str, str]]:
+    """(flag, path) of each file the run's tokenizer is read from."""
+    d = cfg.data
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]
+    if d.tokenizer_type == "SentencePieceTokenizer":
+        return [("--tokenizer-model", d.tokenizer_model)]
+    return []
 
 
 def sample_counts(cfg: Config) -> tuple[int, int, int]:
     """Samples each split must provide: all training steps, every evaluation, one test eval."""
     t = cfg.train
-    train = t.train_iters * t.global_batch_size
-    evals = t.train_iters // t.eval_interval + 1
+    # Megatron-LM's: --train-samples where given (whole batches of it are taken)
+    train = t.train_samples or t.train_iters * t.global_batch_size
+    evals = (t.train_iters // t.eval_interval if t.eval_interval else 0) + 1
     valid = evals * t.eval_iters * t.global_batch_size
     test = t.eval_iters * t.global_batch_size
     return train, valid, test
@@ -71,7 +96,7 @@ def build_datasets(cfg: Config, vocab_size: int
     cache = cfg.data.data_cache_path or prefixes[0] + "_cache"
     try:
         for prefix in prefixes:
-            _check_tokens(prefix, vocab_size, cache)
+            _check_tokens(prefix, vocab_size, cache, _vocabulary_flag(cfg))
         return build_train_valid_test_datasets(prefixes, weights, cfg.data.split, counts,
                                                seq, seed, cache)
     except IndexedDatasetError as e:
@@ -92,7 +117,14 @@ def _prefix_of(path: str) -> str:
     return path
 
 
-def _check_tokens(prefix: str, vocab_size: int, cache_dir: str) -> None:
+def _vocabulary_flag(cfg: Config) -> str:
+    """The flag that sets the vocabulary, for an error about token ids."""
+    if cfg.data.tokenizer_type == "GPT2BPETokenizer":
+        return "--vocab-file"
+    return "--tokenizer-model/--vocab-size"
+
+
+def _check_tokens(prefix: str, vocab_size: int, cache_dir: str, flag: str) -> None:
     """Every token id in the data must be in [0, the tokenizer's vocabulary size)."""
     low, high = _token_range(prefix, cache_dir)
     if low < 0:
@@ -100,7 +132,7 @@ def _check_tokens(prefix: str, vocab_size: int, cache_dir: str) -> None:
         raise ConfigError("--data-path", f"{prefix}.bin holds token id {low}: token ids must "
                           f"be >= 0 (damaged .bin, or a wrong dtype code in {prefix}.idx)")
     if high >= vocab_size:
-        raise ConfigError("--tokenizer-model/--vocab-size",
+        raise ConfigError(flag,
                           f"{prefix}.bin holds token id {high} but the vocabulary has "
                           f"{vocab_size} entries: use the tokenizer the data was made with")
 

@@ -22,8 +22,9 @@ import torch
 from megaulysses.config import Config, ConfigError, ParallelDims, RunConfig
 from megaulysses.config.summary import format_settings
 from megaulysses.planner.memory import format_plan, plan_memory
-from megaulysses.training.run import attention_backend, compute_dtype, resolve_run
-from megaulysses.training.storage import checkpoint_bytes, mib, tokenizer_file
+from megaulysses.training.run import (attention_backend, compute_dtype, log_megatron_meanings,
+                                      resolve_run)
+from megaulysses.training.storage import checkpoint_bytes, mib, tokenizer_files
 
 ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last are printed
 
@@ -31,9 +32,11 @@ ALL_STAGES_UP_TO = 4  # more pipeline stages than this: the first and the last a
 def dry_run(cfg: Config) -> int:
     """Validate `cfg` on its grid and print the plan (from global rank 0 only). Returns the
     exit code, 0; a rule that fails raises ConfigError, as in training."""
-    cfg = _resolved(cfg)
+    given, cfg = cfg, _resolved(cfg)
     dims = cfg.dims
     speak = int(os.environ.get("RANK", "0")) == 0
+    if speak:
+        log_megatron_meanings(given, cfg)  # what the trainer would say at start
     if not speak and not cfg.memory.dry_run_gpu:
         return 0
     device = _device(cfg)
@@ -90,7 +93,7 @@ def _device(cfg: Config) -> str:
 def _checkpoint_line(cfg: RunConfig) -> str:
     """One checkpoint's size (model and optimizer states in fp32, whole-model shapes):
     what --save needs free at every save."""
-    size = checkpoint_bytes(cfg.model, tokenizer_file(cfg), cfg.dims.world)
+    size = checkpoint_bytes(cfg.model, tokenizer_files(cfg).values(), cfg.dims.world)
     return (f"checkpoint: {mib(size)} each (parameters "
             "and AdamW states in fp32, whatever the grid); --save needs that free at every "
             "save")

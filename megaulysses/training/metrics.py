@@ -1,4 +1,4 @@
-"""Throughput, FLOPs, MFU, memory, and where metrics go (console, tensorboard, JSON lines)."""
+"""Throughput, FLOPs, MFU, memory, and where metrics go (tensorboard, JSON lines, wandb)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,26 @@ import os
 import re
 import resource
 import time
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
 from megaulysses.model.flops import flops_per_iteration  # noqa: F401 (re-exported)
 from megaulysses.model.ops import linear
 from megaulysses.training.precision import tf32_active
+from megaulysses.training.wandb_writer import WandbWriter, open_wandb
+
+if TYPE_CHECKING:
+    from megaulysses.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+# The scalars tensorboard and wandb get each --tensorboard-log-interval, as that
+# iteration's values (report.IterationScalars, and its time_*_s timers); a log record's
+# (window means) go to --metrics-jsonl and the log line only. Megatron-LM's split.
+PER_ITERATION_SCALARS = frozenset({
+    "loss", "lr", "decoupled_lr", "global_batch_size", "grad_norm", "params_norm",
+    "num_zeros", "loss_scale", "step_time_s"})
 
 
 class GpuPeak(NamedTuple):
@@ -152,14 +163,16 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Writes each logged record to tensorboard and --metrics-jsonl (rank 0 only)."""
+    """Writes each logged record to tensorboard, --metrics-jsonl and wandb (rank 0 only)."""
 
     def __init__(self, tensorboard_dir: Optional[str], jsonl_path: Optional[str],
-                 resumed_at: Optional[int] = None, enabled: bool = True):
+                 resumed_at: Optional[int] = None, enabled: bool = True,
+                 wandb: Optional[WandbWriter] = None):
         """`resumed_at`: the iteration a resumed run continues from. Its files continue,
         minus what an interrupted run logged after that iteration (it is logged again);
-        a fresh run (None) starts them anew."""
+        a fresh run (None) starts them anew. `wandb`: --wandb-project's run."""
         self.tb = self.jsonl = None
+        self.wandb = wandb if enabled else None
         if not enabled:
             return
         if tensorboard_dir:
@@ -173,22 +186,45 @@ class MetricsWriter:
                 _truncate_jsonl(jsonl_path, resumed_at)
             self.jsonl = open(jsonl_path, "a" if resumed_at is not None else "w")
 
+    @classmethod
+    def for_run(cls, cfg: RunConfig, rank: int,
+                resumed_at: Optional[int] = None) -> "MetricsWriter":
+        """The run's sinks on rank 0 (its loss and norms are global); none elsewhere."""
+        wandb = open_wandb(cfg) if rank == 0 else None
+        return cls(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl, resumed_at, rank == 0, wandb)
+
     def write(self, record: dict) -> None:
-        """`record` has an `iteration`; every other numeric entry becomes a scalar."""
-        if self.tb is not None:
-            step = record["iteration"]
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
+        """A log or evaluation record (it has an `iteration`): --metrics-jsonl gets all of
+        it; tensorboard and wandb each numeric entry but PER_ITERATION_SCALARS (those are
+        `scalars`' to write)."""
+        self._scalars({k: v for k, v in record.items() if k not in PER_ITERATION_SCALARS},
+                      record["iteration"])
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+
+    def scalars(self, record: Optional[dict]) -> None:
+        """One iteration's scalars (report.IterationScalars), to tensorboard and wandb
+        only; None: nothing this iteration."""
+        if record is not None:
+            self._scalars(record, record["iteration"])
+
+    def _scalars(self, record: dict, step: int) -> None:
+        values = {k: v for k, v in record.items()
+                  if k != "iteration" and isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None and values:
+            self.wandb.log(values, step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _truncate_jsonl(path: str, last_iteration: int):

@@ -3,27 +3,52 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from megaulysses.config import TrainConfig
+from megaulysses.config.schedule import decoupled_min_lr, schedule_position
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+# Megatron-LM's is_embedding_or_output_parameter, which --decoupled-lr applies to: the word
+# embedding (and its tied copy on a pipeline's last stage, under the same name) and the
+# untied output layer. The learned position embedding is not one of them.
+DECOUPLED = ("embed.word.weight", "head.output.weight")
+
+
+def _grouped(model: nn.Module, decoupled: bool) -> list[tuple[tuple[bool, bool, bool], list]]:
+    """The trainable parameters by (decoupled learning rate, weight decay, DTensor), in the
+    optimizer's group order: decayed first, the decoupled groups last."""
+    groups: dict = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = (decoupled and name in DECOUPLED, p.ndim >= 2, isinstance(p, DTensor))
+            groups.setdefault(key, []).append(p)
+    return sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1], kv[0][2]))
+
+
+def param_groups(model: nn.Module, weight_decay: float, decoupled: bool = False) -> list[dict]:
     """No weight decay on biases and norm weights (every 1-D parameter), as in Megatron.
+    `decoupled` (--decoupled-lr): the embedding and output layer in groups of their own.
 
     Under tensor parallelism DTensor and plain parameters go to separate groups: a fused
     or foreach kernel cannot take both kinds in one call.
     """
-    groups: dict = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            key = (p.ndim >= 2, isinstance(p, DTensor))
-            groups.setdefault(key, []).append(p)
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+            for (_, decay, _), ps in _grouped(model, decoupled)]
+
+
+def lr_bounds(model: nn.Module, t: TrainConfig) -> list[tuple[float, float]]:
+    """(peak, floor) learning rate of each group of `param_groups(model, ...)` as the run
+    builds them: --lr and --min-lr, or --decoupled-lr and --decoupled-min-lr. Kept here,
+    not in the groups: a key there would be saved with the optimizer and change what
+    a checkpoint must hold."""
+    decoupled = t.decoupled_lr is not None
+    return [(t.decoupled_lr, decoupled_min_lr(t)) if key[0] else (t.lr, t.min_lr)
+            for key, _ in _grouped(model, decoupled)]
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
@@ -41,33 +66,64 @@ def adamw(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
 
 
 class LRSchedule:
-    """Linear warmup to --lr, then cosine/linear/constant decay to --min-lr.
+    """Megatron-LM's learning-rate schedule: linear warmup to the peak, then cosine, linear
+    or constant decay to the floor, in iterations (--train-iters) or in samples consumed
+    (--train-samples). Each optimizer group has its own peak and floor (`bounds`: --lr and
+    --min-lr, or --decoupled-lr and --decoupled-min-lr) on the same shape.
 
-    A pure function of the iteration, so resuming needs no scheduler state.
+    A pure function of where the run stands, so resuming needs no scheduler state. The step
+    that starts `done` units in and takes `size` more (an iteration: 1; in samples: its
+    global batch) warms up to the end of its own units, peak * (done + size) / warmup, so
+    the first step does not run at lr 0 (Megatron-LM's warmup stops where the step starts:
+    one step behind); it decays from where it starts, as Megatron-LM's.
     """
 
-    def __init__(self, t: TrainConfig):
-        self.max_lr, self.min_lr = t.lr, t.min_lr
-        self.warmup = t.lr_warmup_iters
-        self.decay_iters = t.lr_decay_iters or t.train_iters
+    def __init__(self, t: TrainConfig, bounds: Optional[list[tuple[float, float]]] = None):
+        self.t = t
+        if t.train_samples is None:
+            self.warmup, self.decay = t.lr_warmup_iters, t.lr_decay_iters or t.train_iters
+        else:
+            self.warmup = t.lr_warmup_samples
+            self.decay = t.lr_decay_samples or t.train_samples
         self.style = t.lr_decay_style
+        self.bounds = bounds or [(t.lr, t.min_lr)]
 
-    def __call__(self, iteration: int) -> float:
-        """LR used for the step that produces iteration `iteration + 1`."""
-        if self.warmup > 0 and iteration < self.warmup:
-            return self.max_lr * (iteration + 1) / self.warmup
-        if self.style == "constant" or iteration >= self.decay_iters:
-            return self.max_lr if self.style == "constant" else self.min_lr
-        frac = (iteration - self.warmup) / max(1, self.decay_iters - self.warmup)
+    def __call__(self, done: int, size: int = 1) -> float:
+        """--lr's schedule: the LR of the step after `done` units that takes `size` more."""
+        return self.lr(done, size, self.t.lr, self.t.min_lr)
+
+    def lr(self, done: int, size: int, peak: float, floor: float) -> float:
+        if self.warmup > 0 and done < self.warmup:
+            return peak * min(done + size, self.warmup) / self.warmup
+        if self.style == "constant" or done >= self.decay:
+            return peak if self.style == "constant" else floor
+        frac = (done - self.warmup) / max(1, self.decay - self.warmup)
         if self.style == "linear":
             coeff = 1.0 - frac
         else:
             coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return floor + coeff * (peak - floor)
+
+    def group_lrs(self, iteration: int, consumed: int, batch: int) -> list[float]:
+        """Each group's LR for the step after `iteration` steps and `consumed` samples that
+        takes a global batch of `batch` samples."""
+        done, size = schedule_position(self.t, iteration, consumed, batch)
+        return [self.lr(done, size, peak, floor) for peak, floor in self.bounds]
+
+    def logged(self, iteration: int, consumed: int, batch: int) -> dict[str, float]:
+        """What the log shows of that step: --lr's schedule, and --decoupled-lr's."""
+        done, size = schedule_position(self.t, iteration, consumed, batch)
+        out = {"lr": self.lr(done, size, self.t.lr, self.t.min_lr)}
+        if self.t.decoupled_lr is not None:
+            out["decoupled_lr"] = self.lr(done, size, self.t.decoupled_lr,
+                                          decoupled_min_lr(self.t))
+        return out
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for g in optimizer.param_groups:
+def set_lr(optimizer: torch.optim.Optimizer, lrs: list[float]) -> None:
+    """`lrs`: one per group (LRSchedule.group_lrs)."""
+    assert len(lrs) == len(optimizer.param_groups), (len(lrs), len(optimizer.param_groups))
+    for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
 
 

@@ -1,13 +1,15 @@
 """What a run tells its user: the start-up lines (model, grid, ZeRO, memory plan,
-pipeline) and one line (and metrics record) per --log-interval iterations."""
+pipeline), one line (and metrics record) per --log-interval iterations, and each
+--tensorboard-log-interval-th iteration's scalars for tensorboard and wandb."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 from megaulysses.model.gpt import count_parameters, parameter_count
+from megaulysses.parallel.comm import BYTE_KINDS
 from megaulysses.parallel.dims import CP, DP_SP, PP
 from megaulysses.planner.memory import format_plan, plan_memory
 from megaulysses.training.checkpoint import TrainState
@@ -33,9 +35,11 @@ class Window:
     def __init__(self) -> None:
         self.steps = self.skipped = self.tokens = 0
         self.loss = self.grad_norm = self.time = 0.0
+        self.last: Any = None  # the last step's result
 
     def add(self, r: Any, seconds: float, tokens: int) -> None:
         """`r`: a step.StepResult."""
+        self.last = r
         self.steps += 1
         self.skipped += int(r.skipped)
         self.tokens += tokens  # every token processed, loss-masked or not (as Megatron)
@@ -95,14 +99,15 @@ def _log_memory(run: Run) -> None:
 
 
 def iteration_record(run: Run, state: TrainState, w: Window, flops: float, peak: float,
-                     start_iter: int, t_start: float, scaler: Any) -> dict:
-    """The metrics of the last `w.steps` iterations (and the log line saying them)."""
+                     start_iter: int, t_start: float, scaler: Any, step: dict) -> dict:
+    """The metrics of the last `w.steps` iterations (and the log line saying them). `step`:
+    the last step's global batch size and learning rate(s) (LRSchedule.logged)."""
     it, parts = state.iteration, run.parts
     step_time = w.time / w.steps
     tflops = flops / step_time / run.cfg.dims.world / 1e12  # per device, as Megatron
     eta = (time.perf_counter() - t_start) / (it - start_iter) * (run.cfg.train.train_iters - it)
-    rec = {"iteration": it, "consumed_samples": state.consumed_train_samples,
-           "loss": w.loss / w.steps, "lr": parts.zero.optimizer.param_groups[0]["lr"],
+    rec = {"iteration": it, "consumed_samples": state.consumed_train_samples, **step,
+           "loss": w.loss / w.steps,
            "grad_norm": w.grad_norm / max(1, w.steps - w.skipped),
            "step_time_s": step_time, "tokens_per_sec": w.tokens / w.time,
            "tflops_per_device": tflops, "mfu": tflops / peak,
@@ -113,19 +118,81 @@ def iteration_record(run: Run, state: TrainState, w: Window, flops: float, peak:
         rec[f"comm_bytes_{COMM_KEYS.get(kind, kind)}"] = nbytes / w.steps
     if isinstance(scaler, LossScaler):
         rec["loss_scale"] = scaler.scale
+    rec.update(_norms(w.last))  # the last step's, as Megatron-LM logs them
     _log_line(rec, run.cfg.train.train_iters, format_duration(eta))
     return rec
+
+
+def _norms(r: Any) -> dict:
+    """--log-params-norm's and --log-num-zeros-in-grad's values of step result `r`."""
+    out = {"params_norm": r.params_norm, "num_zeros": r.num_zeros}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _log_line(rec: dict, train_iters: int, eta: str) -> None:
     comm = " | ".join(f"{k[len('comm_bytes_'):]} {v / 2**20:.1f} MiB/it"
                       for k, v in rec.items() if k.startswith("comm_bytes_"))
-    log.info("iteration %6d/%6d | samples %9d | loss %.4f | lr %.3e | grad norm %.3f | "
-             "%.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | skipped %d | "
-             "mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s | ETA %s",
-             rec["iteration"], train_iters, rec["consumed_samples"], rec["loss"], rec["lr"],
-             rec["grad_norm"], 1e3 * rec["step_time_s"], rec["tokens_per_sec"],
-             rec["tflops_per_device"], 100 * rec["mfu"], rec["skipped_iterations"],
-             rec["mem_peak_gib"],
+    decoupled = f" | decoupled lr {rec['decoupled_lr']:.3e}" if "decoupled_lr" in rec else ""
+    norms = (f" | num zeros {rec['num_zeros']}" if "num_zeros" in rec else "") + (
+        f" | params norm {rec['params_norm']:.3f}" if "params_norm" in rec else "")
+    log.info("iteration %6d/%6d | samples %9d | global batch %5d | loss %.4f | lr %.3e%s | "
+             "grad norm %.3f%s | %.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | "
+             "skipped %d | mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s | ETA %s",
+             rec["iteration"], train_iters, rec["consumed_samples"], rec["global_batch_size"],
+             rec["loss"], rec["lr"], decoupled, rec["grad_norm"], norms,
+             1e3 * rec["step_time_s"],
+             rec["tokens_per_sec"], rec["tflops_per_device"], 100 * rec["mfu"],
+             rec["skipped_iterations"], rec["mem_peak_gib"],
              *(rec.get(f"mem_{k}_bytes", 0) / 2**20 for k in ("params", "grads", "optim")),
              f" | {comm}" if comm else "", eta)
+
+
+# --log-timers-to-tensorboard's timers: the step's phases (always written) and the
+# collectives' kinds (written where some rank spent time in them)
+PHASES = ("forward", "backward", "optimizer")
+TIMER_NAMES = PHASES + BYTE_KINDS
+
+
+class IterationScalars:
+    """Each --tensorboard-log-interval-th iteration's scalars for tensorboard and wandb,
+    as Megatron-LM writes them: that iteration's loss, learning rate, batch size, gradient
+    norm, step time (and parameter norm, zero count, loss scale), and with
+    --log-timers-to-tensorboard the timers as time_<name>_s: seconds per iteration since
+    the previous write, of the rank that spent the most. Every rank calls `after_step`
+    (the timers' maximum is a collective); rank 0's MetricsWriter writes the record.
+    Building it turns the timers on, where there is a tensorboard or wandb to write to."""
+
+    def __init__(self, run: Run):
+        lg = run.cfg.log
+        self.run, self.interval = run, lg.tensorboard_log_interval
+        self.on = bool(lg.tensorboard_dir or lg.wandb_project)
+        self.timed = self.on and lg.log_timers_to_tensorboard
+        run.comm.stats.timers.on = self.timed
+        if lg.log_timers_to_tensorboard and not self.on:
+            log.warning("--log-timers-to-tensorboard without --tensorboard-dir or "
+                        "--wandb-project: nothing to write the timers to, nothing is timed")
+        self.steps = 0  # since the last write
+
+    def after_step(self, state: TrainState, r: Any, seconds: float, step: dict,
+                   scaler: Any) -> Optional[dict]:
+        """The record of the iteration `state` has just finished, when it is one to
+        write, else None. `r`: its step.StepResult; `step`: its global batch size and
+        learning rate(s), as iteration_record takes them."""
+        self.steps += 1
+        if not self.on or state.iteration % self.interval:
+            return None
+        rec = {"iteration": state.iteration, **step, "loss": r.loss, "step_time_s": seconds,
+               **({} if r.skipped else {"grad_norm": r.grad_norm}), **_norms(r)}
+        if isinstance(scaler, LossScaler):
+            rec["loss_scale"] = scaler.scale
+        if self.timed:
+            spent = self.run.comm.pop_slowest_seconds(TIMER_NAMES)
+            rec.update({_timer_tag(name): s / self.steps for name, s in spent.items()
+                        if s or name in PHASES})
+        self.steps = 0
+        return rec
+
+
+def _timer_tag(name: str) -> str:
+    """time_forward_s, ...; a collective kind's time_comm_<kind>_s (as in comm_bytes_*)."""
+    return f"time_{name}_s" if name in PHASES else f"time_comm_{COMM_KEYS.get(name, name)}_s"

@@ -21,9 +21,11 @@ import torch
 
 from megaulysses.config import Config, ConfigError, RunConfig, resolve
 from megaulysses.config.compat import CompatConfig
+from megaulysses.config.megatron import given_lines
 from megaulysses.config.summary import format_settings
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.data.tokenizer import Tokenizer
+from megaulysses.data.workers import with_workers
 from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.gpt import GPT
 from megaulysses.parallel.comm import Comm
@@ -51,7 +53,7 @@ class Run:
     timeout: timedelta  # of every collective
     tokenizer: Tokenizer
     backend: str  # the attention backend in effect, for the log
-    data: tuple[Optional[BatchBuilder], ...]  # train, valid, test (None: an empty split)
+    data: tuple  # train (workers.with_workers), valid, test; None: an empty split
     parts: Parallelized  # this rank's model, pipeline, ZeRO and optimizer
 
 
@@ -98,7 +100,7 @@ def attention_backend(cfg: RunConfig, device: torch.device,
     return name, core
 
 
-def _log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
+def log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
     """What Megatron-LM's values and habits mean here, said once."""
     if cfg.train.save_interval and not cfg.train.save:
         log.warning("--save-interval %d without --save: nothing is saved (as in Megatron-LM)",
@@ -106,15 +108,22 @@ def _log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
     asked, runs = cfg.model.attention_backend, run_cfg.model.attention_backend
     if asked != runs:
         log.info("--attention-backend %s (Megatron-LM's) runs as %s here", asked, runs)
+    if cfg.train.rampup_batch_size is not None and cfg.train.train_samples is None:
+        log.info("--rampup-batch-size with --train-iters (Megatron-LM 000c4ac2 refuses the "
+                 "pair, later versions and its GPT-3 175B example give both): %d steps whose "
+                 "global batch ramps up, the learning rate counting iterations",
+                 run_cfg.train.train_iters)
     if cfg.parallel.use_distributed_optimizer:
         log.info("--use-distributed-optimizer: ZeRO stage %d here (optimizer states sharded "
                  "over dp x sp)", run_cfg.parallel.zero_stage)
     for f in fields(CompatConfig):
         value = getattr(cfg.compat, f.name)
-        if value != f.default:
+        if "flags" in f.metadata and value != f.default:
             flag = f.metadata["flags"][f.metadata["main"]]
             log.info("--%s%s: accepted, no effect here (%s)", f.name.replace("_", "-"),
                      "" if isinstance(value, bool) else f" {value}", flag.no_effect)
+    for line in given_lines(cfg.compat.megatron_flags):
+        log.info("%s", line)
 
 
 def build_run(cfg: Config) -> Run:
@@ -131,7 +140,7 @@ def build_run(cfg: Config) -> Run:
     rank, world = init_distributed(device, timeout)
     run_cfg, tokenizer = resolve_run(cfg, world)
     log.info("%s", format_settings(run_cfg))  # what the flags mean, before anything runs
-    _log_megatron_meanings(cfg, run_cfg)
+    log_megatron_meanings(cfg, run_cfg)
     backend, core = attention_backend(run_cfg, device, dtype)
     comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
     check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick
@@ -139,7 +148,7 @@ def build_run(cfg: Config) -> Run:
     with torch.device("meta"):
         model = GPT(run_cfg.model, core)
     parts = parallelize(model, comm, run_cfg, device, dtype,
-                        lambda m: param_groups(m, t.weight_decay),
+                        lambda m: param_groups(m, t.weight_decay, t.decoupled_lr is not None),
                         lambda groups: adamw(groups, run_cfg.train))
     return Run(run_cfg, device, dtype, rank, comm, timeout, tokenizer, backend, data, parts)
 
@@ -165,4 +174,5 @@ def _build_data(cfg: RunConfig, rank: int, comm: Comm,
             positions=positions, eod=tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
             reset_position_ids=data.reset_position_ids,
             reset_attention_mask=data.reset_attention_mask)
-    return tuple(builder(ds) for ds in splits)
+    train, valid, test = (builder(ds) for ds in splits)
+    return with_workers(train, data.num_workers), valid, test

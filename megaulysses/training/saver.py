@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megaulysses.config import TrainingError
 from megaulysses.parallel.comm import Comm
-from megaulysses.training.checkpoint import (COMMIT_FILE, MARKER, STATE_FILE, TOKENIZER_FILE,
-                                             TrainState, _fsync_dir, _iteration_dirs,
-                                             _quiet, _rng_state, _state_dicts, _write_file,
-                                             file_sha256, iteration_dir)
+from megaulysses.training.checkpoint import (COMMIT_FILE, MARKER, STATE_FILE, TrainState,
+                                             _fsync_dir, _iteration_dirs, _quiet, _rng_state,
+                                             _state_dicts, _write_file, iteration_dir,
+                                             tokenizer_sha256)
 from megaulysses.training.faults import Fault
 from megaulysses.training.storage import Retention, failure_reason, free_bytes, mib
 
@@ -48,8 +48,11 @@ class Saver:
     def __init__(self, save_dir: str, rank: int, comm: Optional[Comm] = None,
                  retention: Retention = Retention(), use_async: bool = False,
                  async_group: Optional[torch.distributed.ProcessGroup] = None, size: int = 0,
-                 fault: Optional[Fault] = None):
+                 fault: Optional[Fault] = None, contents: tuple = ("model", "optim", "rng")):
         self.save_dir, self.rank, self.comm = save_dir, rank, comm
+        # what a checkpoint holds: the model, and unless --no-save-optim / --no-save-rng
+        # the optimizer state and each rank's RNG states
+        self.contents = tuple(contents)
         self.retention, self.size = retention, size
         self.use_async, self.async_group = use_async, async_group
         self.pending = None  # (future, tmp dir, final dir, meta) of a background save
@@ -116,8 +119,9 @@ class Saver:
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, model: torch.nn.Module, optimizer: Any, state: TrainState, meta: dict,
-             tokenizer: Optional[str]) -> None:
-        """`meta`: what trainer_state.json records besides the train state."""
+             tokenizer: dict[str, str]) -> None:
+        """`meta`: what trainer_state.json records besides the train state; `tokenizer`:
+        the files to copy into it, {name in the checkpoint: path} (storage.tokenizer_files)."""
         self.wait()  # one save in flight at a time; a failed background save stops here
         it = state.iteration
         final = iteration_dir(self.save_dir, it)
@@ -126,14 +130,16 @@ class Saver:
         if self.fault is not None:
             self.fault.fill_before_save(self.rank, it, self.save_dir)
         self._agree(self._attempt(lambda: self._prepare(tmp, tokenizer), it, tmp), tmp)
-        rng = os.path.join(tmp, f"rng_rank{self.rank:05d}.pt")
-        self._agree(self._attempt(lambda: torch.save(_rng_state(), rng), it, tmp), tmp)
-        model_sd, optim_sd = _state_dicts(model, optimizer)
-        meta = dict(meta, iteration=it, contents=["model", "optim", "rng"],
+        if "rng" in self.contents:
+            rng = os.path.join(tmp, f"rng_rank{self.rank:05d}.pt")
+            self._agree(self._attempt(lambda: torch.save(_rng_state(), rng), it, tmp), tmp)
+        with_optim = "optim" in self.contents
+        model_sd, optim_sd = _state_dicts(model, optimizer if with_optim else None)
+        meta = dict(meta, iteration=it, contents=list(self.contents),
                     consumed_train_samples=state.consumed_train_samples,
                     skipped_iterations=state.skipped_iterations, loss_scaler=state.loss_scaler)
         self.last_saved = it
-        states = {"model": model_sd, "optim": optim_sd}
+        states = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
         if self.use_async:
             future = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group,
                                     no_dist=self.async_group is None)
@@ -146,12 +152,11 @@ class Saver:
         commit = (lambda: self._commit(tmp, final, meta)) if self.rank == 0 else (lambda: None)
         self._agree(self._attempt(commit, it, tmp), tmp)  # nobody runs ahead of the commit
 
-    def _prepare(self, tmp: str, tokenizer: Optional[str]) -> None:
+    def _prepare(self, tmp: str, tokenizer: dict[str, str]) -> None:
         if self.rank == 0:
             self._clear_debris()
             os.makedirs(tmp)
-            if tokenizer:
-                shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
+            _copy_tokenizer(tokenizer, tmp)
         # the agreement after this phase (a collective) is the barrier: the directory
         # exists before anybody writes into it
 
@@ -238,11 +243,18 @@ class Saver:
         os.makedirs(self.save_dir, exist_ok=True)
 
 
+def _copy_tokenizer(files: dict[str, str], directory: str) -> None:
+    """The run's tokenizer files into a checkpoint: a checkpoint holds all it needs."""
+    for name, path in files.items():
+        shutil.copyfile(path, os.path.join(directory, name))
+
+
 def write_model_checkpoint(save_dir: str, state_dict: dict, model_shape: dict,
-                           tokenizer: Optional[str] = None, iteration: int = 0,
+                           tokenizer: Optional[dict[str, str]] = None, iteration: int = 0,
                            extra: Optional[dict] = None) -> str:
     """One process: a committed model-only checkpoint the trainer loads (the converter's
-    import). `state_dict`: the GPT's parameters by name, whole tensors."""
+    import). `state_dict`: the GPT's parameters by name, whole tensors; `tokenizer`: the
+    files to copy, {name in the checkpoint: path}, as storage.tokenizer_files."""
     saver = Saver(save_dir, 0)
     final = iteration_dir(save_dir, iteration)
     tmp = os.path.join(save_dir, ".tmp_" + os.path.basename(final))
@@ -251,8 +263,8 @@ def write_model_checkpoint(save_dir: str, state_dict: dict, model_shape: dict,
             "skipped_iterations": 0, "loss_scaler": {}, "model": model_shape,
             **(extra or {})}
     if tokenizer:
-        shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
-        meta["tokenizer"] = {"sha256": file_sha256(tokenizer)}
+        _copy_tokenizer(tokenizer, tmp)
+        meta["tokenizer"] = {"sha256": tokenizer_sha256(*tokenizer.values())}
     with _quiet():
         dcp.save({"model": dict(state_dict)}, checkpoint_id=tmp, no_dist=True)
     saver._commit(tmp, final, meta)

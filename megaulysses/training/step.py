@@ -1,11 +1,12 @@
 """One training step and one evaluation, on any grid: micro-batches, the exact loss
 reduction, gradient reduction, clipping and the optimizer step.
 
-Loss contract (the same on every grid): the loss of an iteration is
-sum(token losses * loss mask) / sum(loss mask) over the whole global batch. The token
-count is known before any forward (it only needs the masks), so each micro-batch's
-backward uses the final denominator and the accumulated gradient is exactly the gradient
-of the global mean loss.
+Loss contract (the same on every grid): the logged loss of an iteration is
+sum(token losses * loss mask) / sum(loss mask) over the whole global batch. The gradient
+is that of Megatron-LM's loss: the mean of the micro-batches' own token means, or with
+--calculate-per-token-loss the global per-token mean (loss_weights.py). Each micro-batch's
+weight is known before any forward (it only needs the masks), so each backward uses its
+final factor and the accumulated gradient is exactly the gradient of that loss.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import torch
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, PP
-from megaulysses.parallel.grad_norm import unscale_and_clip
+from megaulysses.parallel.grad_norm import num_zeros, params_norm, unscale_and_clip
 from megaulysses.parallel.pipeline import Pipeline
+from megaulysses.parallel.timers import Timers
 from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
+from megaulysses.training.loss_weights import micro_batch_weights
 from megaulysses.training.optim import LossScaler
 from megaulysses.training.run import autocast
 
@@ -45,6 +48,8 @@ class StepResult:
     skipped: bool
     tokens: int
     nonfinite: bool = False  # the loss or gradient norm was not finite on some rank
+    params_norm: Optional[float] = None  # --log-params-norm: after the step
+    num_zeros: Optional[int] = None  # --log-num-zeros-in-grad: of the reduced gradients
 
 
 def _on(b: dict, device) -> dict:
@@ -65,45 +70,68 @@ def global_sum(comm: Comm, value: float, device: torch.device,
 def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
                scaler: LossScaler | NoScaler, clip_grad: float, device: torch.device,
                dtype: torch.dtype, comm: Comm, pipeline: Optional[Pipeline] = None,
-               check_nan: bool = True, fault: Optional[Callable] = None) -> StepResult:
+               check_nan: bool = True, fault: Optional[Callable] = None,
+               per_token_loss: bool = False, log_params_norm: bool = False,
+               log_num_zeros: bool = False) -> StepResult:
     """One iteration. `check_nan`: a non-finite loss or gradient norm on any rank skips
-    the step on every rank. `fault`: a test's injection, run on the gradients mid-step."""
+    the step on every rank. `fault`: a test's injection, run on the gradients mid-step.
+    `per_token_loss`: --calculate-per-token-loss (loss_weights.py). `log_params_norm`,
+    `log_num_zeros`: measure them too (the flags of those names). With
+    --log-timers-to-tensorboard (`comm.stats.timers` on) its forward, backward and
+    optimizer phases are timed (under a pipeline also the schedule's p2p time between)."""
+    timers = comm.stats.timers
     with tp_step_context(comm):
-        # The global loss-token count is known before any forward: every backward divides
-        # by it, so the summed gradients are exactly those of the global mean loss.
-        tokens = global_sum(comm, sum(float(b["loss_mask"].sum()) for b in batches), device)
-        denom = max(tokens, 1.0)  # a batch with no loss tokens gives loss 0, not NaN
+        # Each micro-batch's weight is known before any forward: every backward uses its
+        # final factor, so the summed gradients are exactly those of the iteration's loss.
+        weights, tokens = micro_batch_weights(batches, comm, device, per_token_loss)
+        grad_scales = [scaler.scale * w for w in weights]
         if pipeline is None:
-            loss_sum = _forward_backward(model, batches, scaler.scale / denom, device, dtype,
-                                         zero)
+            loss_sum = _forward_backward(model, batches, grad_scales, device, dtype, zero,
+                                         timers)
         else:
             with autocast(device, dtype):
-                loss_sum = pipeline.step([_on(b, device) for b in batches], scaler.scale / denom)
-        norm, skipped, nonfinite = _finish_grads_and_step(
-            zero, scaler, clip_grad, comm, pipeline, math.isfinite(loss_sum), check_nan, fault)
-    loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / denom
-    return StepResult(loss, norm, skipped, int(tokens), nonfinite)
+                loss_sum = pipeline.step([_on(b, device) for b in batches], grad_scales)
+        with timers("optimizer", device.type):
+            norm, skipped, nonfinite, zeros = _finish_grads_and_step(
+                zero, scaler, clip_grad, comm, pipeline, math.isfinite(loss_sum), check_nan,
+                fault, count_zeros=log_num_zeros)
+    # logged: the global per-token mean in either mode, as Megatron-LM logs it; a batch
+    # with no loss tokens gives loss 0, not NaN
+    loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
+    pnorm = params_norm(zero.param_parts(_norm_excluded(pipeline)), comm) \
+        if log_params_norm else None
+    return StepResult(loss, norm, skipped, int(tokens), nonfinite, pnorm, zeros)
 
 
-def _forward_backward(model, batches, grad_scale: float, device, dtype, zero: Zero) -> float:
-    """Every micro-batch, one after the other; gradients of sum(losses) * grad_scale."""
+def _norm_excluded(pipeline: Optional[Pipeline]) -> list:
+    """Parameters whose copy another rank counts (the tied embedding of the last stage)."""
+    return pipeline.norm_excluded if pipeline is not None else []
+
+
+def _forward_backward(model, batches, grad_scales: list[float], device, dtype,
+                      zero: Zero, timers: Timers) -> float:
+    """Every micro-batch, one after the other; gradients of sum_i(losses_i * grad_scales[i])."""
     loss_sum = torch.zeros((), device=device)
     for i, b in enumerate(batches):
         b = _on(b, device)
-        with autocast(device, dtype):
-            losses = model(b["tokens"], b["position_ids"], b["labels"],
-                           b.get("documents"))  # [b, s/sp] fp32
-        micro_sum = (losses * b["loss_mask"]).sum()
-        zero.before_backward(last=i == len(batches) - 1)  # the last one reduces as it runs
-        (micro_sum * grad_scale).backward()
+        with timers("forward", device.type):
+            with autocast(device, dtype):
+                losses = model(b["tokens"], b["position_ids"], b["labels"],
+                               b.get("documents"))  # [b, s/sp] fp32
+            micro_sum = (losses * b["loss_mask"]).sum()
+        with timers("backward", device.type):
+            zero.before_backward(last=i == len(batches) - 1)  # the last one reduces as it runs
+            (micro_sum * grad_scales[i]).backward()
         loss_sum += micro_sum.detach()
     return float(loss_sum)
 
 
 def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_finite: bool,
-                           check_nan: bool, fault=None) -> tuple[float, bool, bool]:
+                           check_nan: bool, fault=None, count_zeros: bool = False
+                           ) -> tuple[float, bool, bool, Optional[int]]:
     """Reduce gradients over dp x sp (and the tied pair), clip by the global norm and
-    step, unless a loss or the norm is not finite on any rank: (norm, skipped, non-finite).
+    step, unless a loss or the norm is not finite on any rank: (norm, skipped, non-finite,
+    the zero gradient entries when `count_zeros`, else None).
     Every rank decides alike (one tiny all-reduce): a NaN that only one rank sees must not
     step the others alone."""
     zero.finish_grads()
@@ -111,8 +139,9 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_f
         fault([p.tensor for p in zero.grad_parts()])
     if pipeline is not None:
         pipeline.sync_tied_grads(zero.grad_of)  # after the reduction: both copies alike
-    excluded = pipeline.norm_excluded if pipeline is not None else []
+    excluded = _norm_excluded(pipeline)
     norm = unscale_and_clip(zero.grad_parts(excluded), 1.0 / scaler.scale, clip_grad, comm)
+    zeros = num_zeros(zero.grad_parts(excluded), comm) if count_zeros else None
     nonfinite = comm.any_rank(not (loss_finite and math.isfinite(norm)))
     # fp16 skips an overflow whatever --check-for-nan-in-loss-and-grad says: its loss
     # scale must fall
@@ -121,7 +150,7 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_f
         zero.step()
     scaler.update(overflow=nonfinite)
     zero.zero_grad()
-    return norm, skipped, nonfinite
+    return norm, skipped, nonfinite, zeros
 
 
 @torch.no_grad()

@@ -1,9 +1,10 @@
 """The storage a run writes to: checked before any step, planned, and kept within bounds.
 
-- `check_writable`: --save, --tensorboard-dir and --metrics-jsonl's directory are made if
-  missing and probed with a real write and removal by the first rank of every node (a
-  node-local path is checked where it lives); any failure is one ConfigError on every
-  rank, naming the flag, the path and the OS error.
+- `check_writable`: --save, --tensorboard-dir, --metrics-jsonl's directory, --profile's
+  trace directory and --wandb-save-dir are made if missing and probed with a real write
+  and removal by the first rank of every node (a node-local path is checked where it
+  lives); any failure is one ConfigError on every rank, naming the flag, the path and
+  the OS error.
 - `checkpoint_bytes`: the size of one checkpoint, known before the first save: every
   parameter in fp32 and AdamW's two fp32 moments (DCP stores whole-model tensors, the
   same whatever the grid), DCP's per-tensor entries (the flattened optimizer state keeps
@@ -21,13 +22,15 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
 from megaulysses.config import Config, ConfigError, ModelConfig
 from megaulysses.model.gpt import GPT, parameter_count
 from megaulysses.parallel.comm import Comm
+from megaulysses.training.profiling import trace_dir
+from megaulysses.training.checkpoint import GPT2_MERGES_FILE, GPT2_VOCAB_FILE, TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ def output_dirs(cfg: Config) -> list[tuple[str, str]]:
     out = [("--save", cfg.train.save), ("--tensorboard-dir", cfg.log.tensorboard_dir)]
     if cfg.log.metrics_jsonl:
         out.append(("--metrics-jsonl", os.path.dirname(os.path.abspath(cfg.log.metrics_jsonl))))
+    if cfg.log.profile:  # validate() made sure there is a --tensorboard-dir
+        out.append(("--profile", trace_dir(cfg.log.tensorboard_dir)))
+    if cfg.log.wandb_project:  # resolve() filled in the default, <--save>/wandb
+        out.append(("--wandb-save-dir", cfg.log.wandb_save_dir))
     return [(flag, path) for flag, path in out if path]
 
 
@@ -77,18 +84,28 @@ def check_writable(cfg: Config, comm: Comm) -> None:
         raise ConfigError(*found)
 
 
-def tokenizer_file(cfg: Config) -> Optional[str]:
-    """The tokenizer file a checkpoint copies (none for NullTokenizer)."""
+def tokenizer_files(cfg: Config) -> dict[str, str]:
+    """The tokenizer files a checkpoint copies: {name in the checkpoint: the run's file}
+    (none for NullTokenizer)."""
     d = cfg.data
-    return d.tokenizer_model if d.tokenizer_type != "NullTokenizer" else None
+    if d.tokenizer_type == "NullTokenizer":
+        return {}
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return {GPT2_VOCAB_FILE: d.vocab_file, GPT2_MERGES_FILE: d.merge_file}
+    return {TOKENIZER_FILE: d.tokenizer_model}
 
 
-def checkpoint_bytes(m: ModelConfig, tokenizer: Optional[str] = None, world: int = 1) -> int:
-    """The bytes of one checkpoint (model and optimizer states, whole-model shapes)."""
-    states = 3 * 4 * parameter_count(m)  # fp32 parameters, AdamW's exp_avg and exp_avg_sq
+def checkpoint_bytes(m: ModelConfig, tokenizer: Union[str, Iterable[str], None] = None,
+                     world: int = 1, optim: bool = True) -> int:
+    """The bytes of one checkpoint (model and optimizer states, whole-model shapes).
+    `tokenizer`: the tokenizer file or files it copies; `optim`: False under
+    --no-save-optim (the parameters only)."""
+    # fp32 parameters, AdamW's exp_avg and exp_avg_sq
+    states = (3 if optim else 1) * 4 * parameter_count(m)
     with torch.device("meta"):
         tensors = sum(1 for _ in GPT(m).parameters())
-    copy = os.path.getsize(tokenizer) if tokenizer and os.path.isfile(tokenizer) else 0
+    paths = [tokenizer] if isinstance(tokenizer, str) else list(tokenizer or ())
+    copy = sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
     return states + tensors * PER_TENSOR_BYTES + world * PER_RANK_BYTES + copy + FIXED_BYTES
 
 

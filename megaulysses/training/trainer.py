@@ -10,17 +10,19 @@ import time
 from typing import Optional
 
 from megaulysses.config import Config, RunConfig, TrainingError
+from megaulysses.config.schedule import global_batch_at
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training import faults
 from megaulysses.training.metrics import MetricsWriter, flops_per_iteration, peak_tflops
-from megaulysses.training.optim import LossScaler, LRSchedule, set_lr
-from megaulysses.training.report import Window, iteration_record, log_startup
+from megaulysses.training.optim import LossScaler, LRSchedule, lr_bounds, set_lr
+from megaulysses.training.profiling import StepProfiler
+from megaulysses.training.report import IterationScalars, Window, iteration_record, log_startup
 from megaulysses.training.run import build_run
 from megaulysses.training.sampling import generate_text
 from megaulysses.training.saver import Saver
 from megaulysses.training.storage import (Retention, checkpoint_bytes, free_bytes, mib,
-                                          tokenizer_file)
+                                          tokenizer_files)
 from megaulysses.training.step import NoScaler, StepResult, evaluate, train_step
 from megaulysses.training.stop import StopConditions, mark_saved_on_stop
 
@@ -32,8 +34,10 @@ class Trainer:
         self.started = time.monotonic()  # --exit-duration-in-mins counts from here
         self.fault = faults.from_env()  # tests only
         self.run = build_run(cfg)
+        self.profiler = StepProfiler(self.run.cfg, self.run.rank)  # --profile
         t = self.cfg.train
-        self.schedule = LRSchedule(t)
+        self.schedule = LRSchedule(t, lr_bounds(self.model, t))
+        self.batch: Optional[int] = None  # the last step's global batch (a ramp-up grows it)
         self.scaler = LossScaler(t) if t.fp16 else NoScaler()
         self.state = ckpt.TrainState()
         self.consecutive_skipped = 0
@@ -63,13 +67,16 @@ class Trainer:
     def _build_saver(self) -> Saver:
         t = self.cfg.train
         group = self.comm.new_checkpoint_group(self.run.timeout) if t.async_save else None
-        size = checkpoint_bytes(self.cfg.model, tokenizer_file(self.cfg), self.dims.world)
+        size = checkpoint_bytes(self.cfg.model, tokenizer_files(self.cfg).values(),
+                                self.dims.world, optim=not t.no_save_optim)
         retention = Retention(t.keep_last, t.save_retain_interval)
         log.info("checkpoints: %s each in %s (%s free)%s", mib(size), t.save,
                  mib(free_bytes(t.save)), f"; retention {retention.flags()}"
                  if retention.active else "; all kept (--keep-last, --save-retain-interval)")
+        contents = ("model",) + (() if t.no_save_optim else ("optim",)) + (
+            () if t.no_save_rng else ("rng",))
         return Saver(t.save, self.rank, self.comm, retention, t.async_save, group, size,
-                     self.fault)
+                     self.fault, contents)
 
     def _load(self, load_dir: str) -> None:
         t, cfg = self.cfg.train, self.cfg
@@ -97,7 +104,7 @@ class Trainer:
     def save(self) -> None:
         self.state.loss_scaler = self.scaler.state_dict()
         meta = ckpt.run_meta(self.cfg, self.tokenizer.vocab_size, self.run.parts.zero_stage)
-        self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer_file(self.cfg))
+        self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer_files(self.cfg))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -105,8 +112,7 @@ class Trainer:
         """Train to --train-iters, or until --exit-interval, a signal or
         --exit-duration-in-mins stops every rank after the same step (then it saves)."""
         cfg, t = self.cfg, self.cfg.train
-        writer = MetricsWriter(cfg.log.tensorboard_dir, cfg.log.metrics_jsonl,
-                               resumed_at=self.state.iteration or None, enabled=self.rank == 0)
+        writer = MetricsWriter.for_run(cfg, self.rank, resumed_at=self.state.iteration or None)
         stop = StopConditions(t.exit_signal_handler, t.exit_duration_in_mins, self.started)
         resumed = self.state.iteration
         try:
@@ -119,6 +125,8 @@ class Trainer:
             raise
         finally:
             stop.close()
+            self.train_data.close()  # --num-workers: the loader's processes end here
+            self.profiler.close()  # a trace a stopped run left open is written
         trained = self.state.iteration > resumed  # a finished run resumed: tested already
         if t.eval_iters and self.test_data and not stopped and trained:
             self._eval(writer, "test", self.test_data, 0)
@@ -141,16 +149,20 @@ class Trainer:
         peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
         log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",
                  peak, flops / 1e12)
-        window = Window()
+        window, scalars = Window(), IterationScalars(self.run)
         start_iter, t_start = self.state.iteration, time.perf_counter()
         last_eval = None
         while self.state.iteration < t.train_iters:
-            r, seconds = self._step()
-            window.add(r, seconds, t.global_batch_size * cfg.model.seq_length)
+            r, seconds, logged = self._step(global_batch_at(t, self.state.consumed_train_samples))
+            window.add(r, seconds, self.batch * cfg.model.seq_length)
+            writer.scalars(scalars.after_step(self.state, r, seconds, logged, self.scaler))
             it = self.state.iteration
             if it % cfg.log.log_interval == 0 or it == t.train_iters:
-                writer.write(iteration_record(self.run, self.state, window, flops, peak,
-                                              start_iter, t_start, self.scaler))
+                # a ramp-up's smaller batches take fewer FLOPs: the window's mean batch
+                mean = window.tokens / (window.steps * cfg.model.seq_length)
+                writer.write(iteration_record(self.run, self.state, window,
+                                              flops * mean / t.global_batch_size, peak,
+                                              start_iter, t_start, self.scaler, logged))
                 window = Window()
             self._count_skips(r, it)  # after the log: the stopping iteration is logged
             last_eval = self._after_step(writer, it, last_eval)
@@ -164,31 +176,43 @@ class Trainer:
                 break
         return last_eval, None
 
-    def _step(self) -> tuple[StepResult, float]:
-        """One iteration at the schedule's learning rate; (its result, its seconds)."""
-        t = self.cfg.train
+    def _step(self, batch: int) -> tuple[StepResult, float, dict]:
+        """One iteration of a global batch of `batch` samples at the schedule's learning
+        rates; (its result, its seconds, its batch size and learning rates for the log)."""
+        t, consumed = self.cfg.train, self.state.consumed_train_samples
         if self.saver is not None:
             self.saver.poll()  # commit a finished background save
-        set_lr(self.optimizer, self.schedule(self.state.iteration))
+        if t.rampup_batch_size is not None and batch != self.batch:
+            log.info("global batch size %d from %d samples consumed on (--rampup-batch-size)",
+                     batch, consumed)
+        self.batch = batch
+        set_lr(self.optimizer, self.schedule.group_lrs(self.state.iteration, consumed, batch))
+        logged = {"global_batch_size": batch,
+                  **self.schedule.logged(self.state.iteration, consumed, batch)}
         t0 = time.perf_counter()
-        batches = self.train_data.micro_batches(self.state.consumed_train_samples)
+        batches = self.train_data.micro_batches(consumed, batch)
         fault = self.fault and self.fault.hook(self.rank, self.state.iteration + 1)
-        r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad, self.device,
-                       self.dtype, self.comm, self.pipeline, t.check_for_nan_in_loss_and_grad,
-                       fault)
+        with self.profiler.step(self.state.iteration):
+            r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad,
+                           self.device, self.dtype, self.comm, self.pipeline,
+                           t.check_for_nan_in_loss_and_grad, fault,
+                           per_token_loss=t.calculate_per_token_loss,
+                           log_params_norm=self.cfg.log.log_params_norm,
+                           log_num_zeros=self.cfg.log.log_num_zeros_in_grad)
         seconds = time.perf_counter() - t0
         self.state.iteration += 1
-        self.state.consumed_train_samples += t.global_batch_size
+        self.state.consumed_train_samples += batch
         self.state.skipped_iterations += int(r.skipped)
-        return r, seconds
+        return r, seconds, logged
 
     def _after_step(self, writer: MetricsWriter, it: int, last_eval: Optional[float]):
         """Evaluate and save when their intervals say so; the last evaluation's loss."""
         t = self.cfg.train
-        if t.eval_iters and self.valid_data and (it % t.eval_interval == 0
-                                                 or it == t.train_iters):
+        done = it // t.eval_interval if t.eval_interval else 0  # evaluations due so far
+        if t.eval_iters and self.valid_data and (
+                (t.eval_interval and it % t.eval_interval == 0) or it == t.train_iters):
             last_eval = self._eval(writer, "valid", self.valid_data,
-                                   (it // t.eval_interval) * t.eval_iters * t.global_batch_size)
+                                   done * t.eval_iters * t.global_batch_size)
         if t.save and t.save_interval and it % t.save_interval == 0:
             self.save()
         return last_eval

@@ -29,7 +29,8 @@ def test_tiny_run_prints_states_per_stage_and_plot(tmp_path):
     assert sorted(rows) == [(sp, z) for sp in (1, 2) for z in range(4)], proc.stdout
     for sp in (1, 2):
         params, grads, optim, states, ratio = rows[(sp, 0)]
-        assert grads == params and optim == 2 * params and ratio == 1.0
+        # printed to 0.01 MiB: 2 x a rounded figure may differ from the rounded double
+        assert grads == params and abs(optim - 2 * params) <= 0.011 and ratio == 1.0
         assert rows[(sp, 1)][0] == params  # parameters replicated
         for z in (1, 2, 3):  # MiB with 2 decimals: 0.01 of rounding
             assert abs(rows[(sp, z)][1] - params / 2) <= 0.01, (sp, z, rows[(sp, z)])

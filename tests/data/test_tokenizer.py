@@ -85,7 +85,7 @@ def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="^--vocab-size: required"):
         build_tokenizer("NullTokenizer")
     with pytest.raises(ValueError, match="^--tokenizer-type: unknown"):
-        build_tokenizer("GPT2BPETokenizer", BUNDLED_MODEL)
+        build_tokenizer("HuggingFaceTokenizer", BUNDLED_MODEL)
     with pytest.raises(FileNotFoundError, match="^--tokenizer-model: file not found"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
     garbage = tmp_path / "garbage.model"

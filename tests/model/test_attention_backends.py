@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from megaulysses.model.attention import (AttentionMask, SparseLayout, cpu_attention,
                                          flex_attention, math_attention, select_backend)
+from helpers import llama_config
 
 CPU = torch.device("cpu")
 WINDOW = AttentionMask(window=24)
@@ -165,7 +166,7 @@ def test_flex_block_mask_built_once_per_batch(monkeypatch, recompute):
                         enable_gqa: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                    enable_gqa=enable_gqa))
     builds = _count_calls(monkeypatch, kernels, "_build_flex_block_mask")
-    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=256,
+    cfg = llama_config(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=256,
                       vocab_size=64)
     model = apply_recompute(build_model(cfg, kernels.flex_attention, 0), recompute)
     tokens = torch.randint(0, 64, (2, 256))

@@ -18,6 +18,7 @@ from megaulysses.model.attention.block_causal import block_causal_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.model.layers import build_norm
 from megaulysses.model.ops import cross_entropy, norms, onednn
+from helpers import llama_config
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -249,7 +250,7 @@ def test_select_backend_on_cpu():
 def test_gpt_fused_loss_matches_plain_model(monkeypatch, tied):
     """The model as trained on CPU (fused ops, `auto` attention) vs every op plain: F.linear,
     math attention, logits + F.cross_entropy."""
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    cfg = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                       seq_length=32, vocab_size=200, make_vocab_size_divisible_by=8,
                       untie_embeddings_and_output_weights=not tied)
     tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaulysses.config import ModelConfig
 from megaulysses.model.attention import math_attention, sdpa_attention
 from megaulysses.model.gpt import GPT, build_model, count_parameters
 from megaulysses.model.layers import apply_rotary, rotary_angles
+from helpers import llama_config
 
 FP32_RTOL = 1e-5  # fp32 reorderings (fused kernels vs einsum) stay well inside this
 
@@ -18,7 +18,7 @@ def llama(**kw):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                 seq_length=32, vocab_size=300, make_vocab_size_divisible_by=128)
     base.update(kw)
-    return ModelConfig(**base)
+    return llama_config(**base)
 
 
 def gpt2(**kw):
@@ -176,7 +176,7 @@ def test_parameter_count_and_styles():
     kv = 2 * (64 // 4)
     per_layer = h * h * 2 + 2 * h * kv + 3 * h * f + 2 * h
     assert count_parameters(m) == V * h + 2 * per_layer + h  # tied: no output weight
-    assert f == 192  # 8h/3 = 170.7 -> rounded up to a multiple of 64
+    assert f == 128  # 8h/3 = 170.7 -> rounded down to a multiple of 64 (Megatron-LM)
     untied = build_model(llama(untie_embeddings_and_output_weights=True), sdpa_attention, 0)
     assert count_parameters(untied) == count_parameters(m) + V * h
     g = build_model(gpt2(), sdpa_attention, seed=0)

@@ -16,6 +16,7 @@ from megaulysses.config import ModelConfig
 from megaulysses.model.attention import sdpa_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.model.tiling import TiledMLP, apply_tiled_mlp
+from helpers import llama_config
 
 GRAD_TOL = 1e-6
 BF16_TOL = 3e-2
@@ -27,7 +28,7 @@ def tiny(**kw):
                 ffn_hidden_size=FFN, seq_length=64, vocab_size=128, hidden_dropout=0.1,
                 attention_dropout=0.1)
     base.update(kw)
-    return ModelConfig(**base)
+    return llama_config(**base)
 
 
 def batch(cfg, b=2):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from dist import run_ranks
-from helpers import read_jsonl, train_losses
+from helpers import LLAMA, read_jsonl, train_losses
 
 LOSS_RTOL = 1e-5
 VOCAB = 250  # NullTokenizer: eod = 250
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+MODEL = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "2", "--seq-length", "128",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
          "--lr", "3e-3", "--lr-warmup-iters", "1", "--log-interval", "1",

@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from dist import run_ranks
-from helpers import TINY, with_vocab
+from helpers import LLAMA, TINY, with_vocab
 
 TOLERANCE = 0.10  # of the measured peak
 MIB = 2 ** 20
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+BASE = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
         "--log-interval", "100", "--generate", "0", "--peak-tflops", "1",
@@ -229,7 +229,7 @@ def test_trainer_logs_the_plan(caplog, tmp_path):
 
 # -- --dry-run ---------------------------------------------------------------------------------
 
-PAPER_30B = ["--num-layers", "64", "--hidden-size", "6144", "--num-attention-heads", "64",
+PAPER_30B = LLAMA + ["--num-layers", "64", "--hidden-size", "6144", "--num-attention-heads", "64",
              "--seq-length", "32768", "--max-position-embeddings", "32768",
              "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
              "--zero-stage", "3", "--ds-sequence-parallel-size", "8",
@@ -271,8 +271,8 @@ def test_dry_run_of_the_papers_30b_shape_allocates_nothing(capfd):
         assert words in out, out
 
 
-USP_4096 = ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size", "4",
-            "--ds-sequence-parallel-size", "2", "--seq-length", "4096", "--mock-data"]
+USP_4096 = LLAMA + ["--dry-run", "--dry-run-world-size", "8", "--context-parallel-size", "4",
+                    "--ds-sequence-parallel-size", "2", "--seq-length", "4096", "--mock-data"]
 
 
 @pytest.mark.parametrize("flags,mask,core", [

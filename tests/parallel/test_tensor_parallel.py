@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dist import run_ranks
+from helpers import llama_config
 
 B, S, H = 2, 16, 64
 FP32_TOL = 1e-5
@@ -12,13 +13,12 @@ FP32_TOL = 1e-5
 
 def block_tp(rank, world, sequence_parallel):
     from torch.distributed.tensor.parallel import parallelize_module
-    from megaulysses.config import ModelConfig
     from megaulysses.model.attention import math_attention
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.comm import Comm
     from megaulysses.parallel.dims import ParallelDims, build_mesh
     from megaulysses.parallel.tensor import _block_plan, megatron_sp_bytes_per_layer
-    cfg = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2,
+    cfg = llama_config(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2,
                       seq_length=S, vocab_size=128)
     comm = Comm(build_mesh(ParallelDims(dp=1, tp=world, pp=1, sp=1), "cpu"))
     ref_model = build_model(cfg, math_attention, seed=5)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dist import run_ranks
+from helpers import llama_config
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -111,7 +112,7 @@ def gpt_tp(rank, world):
     grad = torch.rand(2, 32, generator=g)
     out = {}
     for case, (tied, sequence_parallel, mlp_chunks) in GPT_CASES.items():
-        cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32,
+        cfg = llama_config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32,
                           vocab_size=128, untie_embeddings_and_output_weights=not tied)
         ref = build_model(cfg, math_attention, seed=2)
         ref_losses = ref(tokens, labels=labels)

@@ -12,12 +12,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import with_vocab
+from helpers import LLAMA, with_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN = os.path.join(ROOT, "tools", "plan.py")
 # A small GPT-2-shaped model: fast to search, still big enough for memory to bind on 40 GB.
-MODEL = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+MODEL = LLAMA + ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
          "--seq-length", "131072", "--max-position-embeddings", "131072",
          "--global-batch-size", "4", "--vocab-size", "50257", "--bf16"]
 

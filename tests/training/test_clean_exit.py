@@ -33,7 +33,7 @@ import time
 import pytest
 
 from dist import free_port
-from helpers import REPO
+from helpers import LLAMA, REPO
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux")
                                 or not hasattr(os, "SCHED_IDLE"),
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux")
 # The reported command, shorter: ZeRO-3 over 4 ranks, logged only at its last iteration
 # (the default --log-interval 10 > --train-iters), whose metrics all-reduce is then the
 # run's last collective.
-FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+FLAGS = LLAMA + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
          "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--seed", "5",

@@ -36,9 +36,11 @@ import pytest
 from helpers import TINY
 
 STEPS = 2
+# --num-workers 0: data loader workers would be forked inside the fake mode (their
+# batches are CPU tensors made the same way either way)
 BASE = TINY + ["--num-layers", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "511", "--train-iters", str(STEPS), "--eval-interval",
-               str(STEPS), "--eval-iters", "1"]
+               str(STEPS), "--eval-iters", "1", "--num-workers", "0"]
 SP2 = ["--ds-sequence-parallel-size", "2"]
 MEGATRON_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 GPT2 = ["--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm",
@@ -46,6 +48,7 @@ GPT2 = ["--position-embedding-type", "learned_absolute", "--normalization", "Lay
         "--attention-dropout", "0.1"]
 MASKS = ["--attention-backend", "math", "--window-size", "8", "--reset-attention-mask",
          "--reset-position-ids"]
+NORMS = ["--log-params-norm", "--log-num-zeros-in-grad"]  # their sums run on the device too
 GRIDS = {  # name: (world, the ranks run, flags); 1 layer (2 with pp)
     "1 process": (1, [0], []),
     "1 process, bf16, selective recompute, GPT-2 style": (1, [0], [
@@ -57,8 +60,9 @@ GRIDS = {  # name: (world, the ranks run, flags); 1 layer (2 with pp)
     "sp2, window + packed documents": (2, [1], SP2 + MASKS),
     "FSDP2: dp2, ZeRO-3": (2, [1], ["--zero-stage", "3"]),
     "FSDP2 over tp2 x dp2: ZeRO-3 + Megatron-SP, selective": (4, [3], MEGATRON_SP + [
-        "--zero-stage", "3", "--recompute-activations"]),
-    "pp2, 1f1b": (2, [0, 1], ["--pipeline-model-parallel-size", "2", "--num-layers", "2"]),
+        "--zero-stage", "3", "--recompute-activations"] + NORMS),
+    "pp2, 1f1b": (2, [0, 1], ["--pipeline-model-parallel-size", "2", "--num-layers", "2"]
+                  + NORMS),
 }
 
 

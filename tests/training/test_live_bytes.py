@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from dist import run_ranks
-from helpers import with_vocab
+from helpers import LLAMA, with_vocab
 from megaulysses.training import live_bytes
 from megaulysses.training.live_bytes import LiveBytes, storage_bytes
 
@@ -138,7 +138,7 @@ def test_gpt_step_peak_matches_the_allocators_high_water_mark():
     from megaulysses.config import parse_args
     from megaulysses.model.attention import cpu_attention
     from megaulysses.model.gpt import build_model
-    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    cfg = parse_args(LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "64", "--vocab-size", "500", "--tokenizer-type",
                       "NullTokenizer"])
     cfg = with_vocab(cfg, 501)  # the NullTokenizer's (vocab + EOD), as the trainer sets it

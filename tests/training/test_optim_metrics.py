@@ -12,6 +12,7 @@ from megaulysses.model.gpt import build_model
 from megaulysses.training.metrics import flops_per_iteration
 from megaulysses.parallel.grad_norm import GradPart, unscale_and_clip
 from megaulysses.training.optim import LossScaler, LRSchedule, param_groups
+from helpers import llama_config
 
 
 def grad_parts(params) -> list:
@@ -41,7 +42,7 @@ def test_linear_and_constant_and_decay_iters():
 
 
 def test_no_weight_decay_on_norms_and_biases():
-    m = build_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2,
+    m = build_model(llama_config(num_layers=1, hidden_size=32, num_attention_heads=2,
                                 vocab_size=100, normalization="LayerNorm",
                                 add_bias_linear=True), math_attention, 0)
     decay, no_decay = param_groups(m, 0.1)
@@ -99,7 +100,7 @@ def test_flops_formula_matches_counted_matmuls(kw, monkeypatch):
     plain aten matmuls, which the counter knows, instead of the oneDNN linear op)."""
     from megaulysses.model.ops import onednn as fused
     monkeypatch.setattr(fused, "ONEDNN_LINEAR", False)
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+    cfg = llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                       vocab_size=256, **kw)
     m = build_model(cfg, math_attention, 0)
     tokens = torch.randint(0, 256, (3, 32))

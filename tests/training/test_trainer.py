@@ -10,11 +10,11 @@ from helpers import run_inprocess, train_losses
 
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
     """gbs 4 as 4 micro-batches of 1 == 1 micro-batch of 4: the loss is the global token
-    mean in both (with --eod-mask-loss the micro-batches hold different token counts)."""
-    one = train_losses(run_inprocess(["--micro-batch-size", "4", "--eod-mask-loss"],
-                                     tmp_path, "mbs4"))
-    four = train_losses(run_inprocess(["--micro-batch-size", "1", "--eod-mask-loss"],
-                                      tmp_path, "mbs1"))
+    mean in both (with --eod-mask-loss the micro-batches hold different token counts, so
+    only the per-token loss is independent of the micro-batch size)."""
+    flags = ["--eod-mask-loss", "--calculate-per-token-loss"]
+    one = train_losses(run_inprocess(["--micro-batch-size", "4"] + flags, tmp_path, "mbs4"))
+    four = train_losses(run_inprocess(["--micro-batch-size", "1"] + flags, tmp_path, "mbs1"))
     assert sorted(one) == list(range(1, 7))
     for it in one:
         assert four[it] == pytest.approx(one[it], rel=1e-5), it  # fp32 summation order

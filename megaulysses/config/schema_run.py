@@ -1,0 +1,147 @@
+"""The schema's sections for how a run is laid out and watched: logging, the parallel grid
+and activation memory (schema.py holds the model, data and training sections and the
+whole Config; the same `option(...)` declarations, one field per flag)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megaulysses.config.fields import Flag, option
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_interval: int = option(
+        100, "log (and write --metrics-jsonl) every this many iterations", kind="positive")
+    tensorboard_dir: Optional[str] = option(None, "write TensorBoard scalars here")
+    metrics_jsonl: Optional[str] = option(
+        None, "write one JSON record per logged iteration and evaluation here")
+    peak_tflops: Optional[float] = option(
+        None, "peak TFLOP/s per device for MFU; default: known GPU table, or a matmul measured "
+        "at start-up on CPU", kind="number")
+    # issue 28: observability (training/profiling.py, training/wandb_writer.py, report.py)
+    log_params_norm: bool = option(
+        False, "log the L2 norm of all parameters after each step, each parameter once over "
+        "every rank's shards: 'params norm' in the log line, params_norm in --metrics-jsonl, "
+        "tensorboard and wandb", action="store_true")
+    log_num_zeros_in_grad: bool = option(
+        False, "log the number of zero entries of the reduced gradients, each parameter once: "
+        "'num zeros' in the log line, num_zeros in --metrics-jsonl, tensorboard and wandb",
+        action="store_true")
+    tensorboard_log_interval: int = option(
+        1, "every this many iterations, write that iteration's loss, lr, grad norm, step time "
+        "(and params norm, num zeros, timers) to tensorboard and wandb; throughput, memory and "
+        "communication bytes go there every --log-interval", kind="positive")
+    log_timers_to_tensorboard: bool = option(
+        False, "time forward, backward, optimizer and each collective kind (on CUDA the device "
+        "is synchronized around each) and write them to tensorboard and wandb as time_*_s: "
+        "seconds per iteration since the last write, of the slowest rank", action="store_true")
+    profile: bool = option(
+        False, "record a torch.profiler trace of the steps after --profile-step-start "
+        "iterations up to iteration --profile-step-end, on --profile-ranks, to "
+        "<--tensorboard-dir>/../torch_profile/rank-N.pt.trace.json.gz (TensorBoard's profile "
+        "plugin, Perfetto)", action="store_true")
+    profile_step_start: int = option(
+        10, "--profile: the trace starts after this many iterations", kind="int")
+    profile_step_end: int = option(
+        12, "--profile: the trace ends after this iteration", kind="int")
+    profile_ranks: list = option(
+        [0], "--profile: the global ranks that record a trace", nargs="+", kind="int")
+    wandb_project: Optional[str] = option(
+        None, "log tensorboard's scalars to this Weights & Biases project too (needs the "
+        "wandb package; offline, into --wandb-save-dir, unless WANDB_MODE or an API key says "
+        "otherwise)")
+    wandb_exp_name: Optional[str] = option(
+        None, "the wandb run's name (required with --wandb-project)")
+    wandb_save_dir: Optional[str] = option(
+        None, "with --wandb-project: the directory wandb writes its run to; default: "
+        "<--save>/wandb")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = option(
+        1, "tensor-parallel degree tp (Megatron column/row-parallel layers)", kind="positive")
+    tp_sequence_parallel: bool = option(  # Megatron-SP inside the tp group
+        False, "Megatron-style sequence parallelism inside the tensor-parallel group",
+        action="store_true", names=("--sequence-parallel",))
+    ds_sequence_parallel_size: int = option(
+        1, "Ulysses sequence-parallel degree U (all-to-all; heads / tp / U heads per rank)",
+        kind="positive", names=("--ds-sequence-parallel-size", "--ulysses-degree"))
+    context_parallel_size: int = option(
+        1, "ring attention degree C over groups of U Ulysses ranks (sequence degree U * C; "
+        "zigzag chunks for causal balance)", kind="positive")
+    pipeline_model_parallel_size: int = option(
+        1, "pipeline stages (layers split into consecutive blocks)", kind="positive")
+    pipeline_schedule: Optional[str] = option(
+        None, "the order of micro-batch forwards and backwards over the stages; default: 1f1b, "
+        "or interleaved-1f1b with --num-layers-per-virtual-pipeline-stage",
+        choices=PIPELINE_SCHEDULES)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "layers per model chunk; each pipeline rank then holds layers / (pp * this) chunks "
+        "(interleaved schedules)", kind="positive")
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "layers on the first stage (uneven split; the rest evenly)", kind="int")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "layers on the last stage (uneven split; the rest evenly)", kind="int")
+    zero_stage: int = option(
+        0, "ZeRO over the data x sequence-parallel ranks: 1 shards optimizer states, 2 also "
+        "gradients, 3 also parameters (see README)", kind="int", choices=ZERO_STAGES, after=(Flag(
+            "= --zero-stage 3, which is torch's FSDP2 here (Megatron-LM's name)",
+            names=("--use-torch-fsdp2",), action="store_const", const=3),))
+    use_distributed_optimizer: bool = option(
+        False, "Megatron-LM's distributed optimizer: optimizer states sharded over the data x "
+        "sequence-parallel ranks, = --zero-stage 1 (a higher --zero-stage shards more and "
+        "stays)", action="store_true")
+    grad_reduce_dtype: str = option(
+        "fp32", "dtype in which gradients are summed over the data x sequence-parallel ranks",
+        choices=GRAD_REDUCE_DTYPES, after=(Flag(
+            "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
+            action="store_const", const="bf16"),))
+    distributed_timeout_minutes: float = option(
+        10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
+        "rank exits non-zero naming the rank(s) it lost", kind="number")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Activation memory: recomputation (Megatron-LM's flags) and tiling, and the dry run."""
+    recompute_granularity: Optional[str] = option(
+        None, "full: recompute whole transformer blocks in backward (only their inputs are kept; "
+        "the forward all-to-alls run again); selective: recompute only the attention core "
+        "(between the all-to-alls); default: none (no recomputation)",
+        choices=RECOMPUTE_GRANULARITIES, after=(Flag(
+            "= --recompute-granularity selective", names=("--recompute-activations",),
+            action="store_const", const="selective"),))
+    recompute_method: Optional[str] = option(
+        None, "with --recompute-granularity full: uniform checkpoints groups of "
+        "--recompute-num-layers consecutive layers; block checkpoints the first "
+        "--recompute-num-layers layers of each pipeline stage and keeps the rest's activations "
+        "(default uniform)", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: Optional[int] = option(
+        None, "with --recompute-granularity full: see --recompute-method (default 1)",
+        kind="positive")
+    tiled_mlp_chunks: int = option(
+        1, "run each MLP over the local sequence in this many chunks, recomputed in backward: "
+        "its [tokens, ffn] intermediates exist for one chunk at a time", kind="positive")
+    dry_run: bool = option(
+        False, "validate every flag, build the model on the meta device, print the per-rank "
+        "memory plan and communication bytes, exit 0 without allocating the model or training",
+        action="store_true")
+    dry_run_world_size: Optional[int] = option(
+        None, "with --dry-run on one process: the number of ranks of the grid to plan for "
+        "(default: WORLD_SIZE, or 1)", kind="positive")
+    dry_run_device: Optional[str] = option(
+        None, "with --dry-run: the device to plan for; it picks the attention kernel and the "
+        "loss's chunks (default: cuda if available, else cpu)", choices=("cpu", "cuda"))
+    dry_run_gpu: Optional[str] = option(
+        None, "with --dry-run: plan for cuda and exit 2 unless every stage fits this GPU "
+        "(A100-40GB, A100-80GB, H100, H200: tools/plan.py's table) less 4 GiB reserved for the "
+        "CUDA context, NCCL and fragmentation", kind="gpu")

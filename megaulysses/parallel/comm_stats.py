@@ -1,0 +1,120 @@
+"""The bookkeeping of comm.py's collectives, apart from them: the bytes this rank sends
+per (group, kind) and, with --log-timers-to-tensorboard, the seconds each kind takes
+(parallel/timers.py). Nothing here issues a collective; comm.py's module doc gives the byte
+conventions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megaulysses.parallel.timers import Timers
+
+OTHER_GROUP = "other"  # CommStats' group for collectives on a group that is no mesh dim
+BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring")
+
+
+class CommStats:
+    """Bytes sent by this rank per (group, collective kind), since the last `pop`. The
+    group is the mesh dim name: it says which link the bytes cross (tools/plan.py)."""
+
+    def __init__(self):
+        self.bytes = defaultdict(int)  # (group, kind) -> bytes
+        self.counting = True
+        self.timers = Timers()  # seconds per kind (and per step phase), when on
+
+    def add(self, kind: str, nbytes: float, group: str) -> None:
+        if self.counting:
+            self.bytes[(group, kind)] += int(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collectives inside are neither counted nor timed (e.g. evaluation between
+        training steps)."""
+        before, self.counting = self.counting, False
+        timing, self.timers.paused = self.timers.paused, True
+        try:
+            yield
+        finally:
+            self.counting, self.timers.paused = before, timing
+
+    def timed(self, kind: str, tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Context timing a collective of `kind` on `tensor`'s device (a no-op when off)."""
+        return self.timers(kind, tensor.device.type)
+
+    def timed_work(self, work: Optional[dist.Work], kind: str,
+                   tensor: torch.Tensor) -> Optional[dist.Work]:
+        """An asynchronous collective's `work`, whose wait() is timed as `kind` too."""
+        if work is None or not self.timers.active:
+            return work
+        return _TimedWork(work, lambda: self.timed(kind, tensor))
+
+    def pop(self, by_group: bool = False) -> dict:
+        """Bytes per kind ({kind: bytes}), or with `by_group` per {(group, kind): bytes}."""
+        out = dict(self.bytes)
+        self.bytes.clear()
+        if by_group:
+            return out
+        kinds = defaultdict(int)
+        for (_, kind), n in out.items():
+            kinds[kind] += n
+        return dict(kinds)
+
+
+class _TimedWork:
+    """An asynchronous collective's work whose wait() is timed (only our own code waits
+    on these, and only through wait())."""
+
+    def __init__(self, work: dist.Work, timed: Callable[[], contextlib.AbstractContextManager]):
+        self.work, self.timed = work, timed
+
+    def wait(self) -> Any:
+        with self.timed():
+            return self.work.wait()
+
+
+class _FunctionalCollectiveCounter(TorchDispatchMode):
+    """Bytes of `_c10d_functional` collectives, by the conventions of the module doc."""
+
+    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+
+    def __init__(self, stats: CommStats, dim_of_group):
+        super().__init__()
+        self.stats, self.dim_of_group = stats, dim_of_group
+        self.pending: dict[int, str] = {}  # timers on: id of an unwaited result -> its kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            name = func.__name__.split(".")[0]
+            kind = self.KINDS.get(name)
+            if kind is not None:
+                self._count(kind, args)
+                with self.stats.timed(kind, args[0]):
+                    out = func(*args, **(kwargs or {}))
+                if self.stats.timers.active:  # its wait, later, is this kind's time too
+                    self.pending[id(out)] = kind
+                return out
+            if name == "wait_tensor" and self.pending:
+                kind = self.pending.pop(id(args[0]), None)
+                if kind is not None:
+                    with self.stats.timed(kind, args[0]):
+                        return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, kind: str, args):
+        x, group_name = args[0], args[-1]
+        p = dist.distributed_c10d._resolve_process_group(group_name).size()
+        n = _nbytes(x)
+        sent = {"all_gather": n * (p - 1), "reduce_scatter": n * (p - 1) / p,
+                "all_reduce": 2 * n * (p - 1) / p, "all_to_all": n * (p - 1) / p}[kind]
+        self.stats.add(kind, sent, self.dim_of_group(group_name))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

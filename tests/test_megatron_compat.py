@@ -1,0 +1,186 @@
+"""Megatron-LM's flags that pretrain_gpt.py has no flag of its own for (issue 28, item 5):
+every one of them is in the parser or in config/megatron_table.py, no table row names a
+flag the parser has, no-effect flags parse with Megatron-LM's arity and are logged once,
+refused ones stop the run first with one line naming them all, docs/megatron_compat.md
+is what tools/megatron_compat.py writes, and Megatron-LM's GPT-3 175B and Llama 3 8B
+scripts parse (the Llama script's FP8 flags refused)."""
+
+import argparse
+import logging
+import os
+import sys
+
+import pytest
+
+from helpers import REPO
+
+from megaulysses.config import ConfigError, build_parser, parse_args, resolve
+from megaulysses.config import megatron
+from megaulysses.config.megatron_table import FLAGS, GROUPS, NO_EFFECT, REFUSED, SAME_HERE
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import megatron_compat  # noqa: E402
+
+BY_FLAG = {m.flag: m for m in megatron.megatron_flags()}
+
+
+def our_options() -> set:
+    """The parser's own option strings (Megatron-LM's table flags are hidden)."""
+    return {o for a in build_parser()._actions if a.help is not argparse.SUPPRESS
+            for o in a.option_strings}
+
+
+def test_every_megatron_flag_is_in_the_parser_or_a_table():
+    assert megatron.source().startswith("NVIDIA/Megatron-LM megatron/training/arguments.py @ ")
+    assert len(BY_FLAG) > 500
+    missing = [m.flag for m, status, _ in megatron.status_rows() if status is None]
+    assert not missing, f"Megatron-LM's {missing}: in neither the parser nor " \
+                        "megaulysses/config/megatron_table.py"
+
+
+def test_no_table_row_names_a_flag_of_the_parser():
+    ours = our_options()
+    for flag in FLAGS:
+        assert flag in BY_FLAG, f"{flag}: not a Megatron-LM flag (megatron_args.json)"
+        assert not set(BY_FLAG[flag].names) & ours, \
+            f"{flag}: the parser has it now; remove its row from megatron_table.py"
+    assert set(GROUPS) <= {m.group for m in BY_FLAG.values()}
+    assert all(FLAGS.get(f, (None,))[0] == REFUSED for f in SAME_HERE)
+
+
+def test_docs_are_generated_from_the_code():
+    with open(megatron_compat.DOC) as f:
+        written = f.read()
+    assert written == megatron_compat.render(), \
+        "docs/megatron_compat.md is out of date: run python tools/megatron_compat.py --write"
+
+
+def _values(m, restate: bool) -> list:
+    """Command-line words for Megatron-LM's flag `m`: its default restated (`restate`;
+    [] where it cannot be given) or a value that is not its default."""
+    if m.action in ("store_true", "store_false"):
+        return [] if restate else [m.flag]
+    if m.action == "BooleanOptionalAction":
+        return ["--no-" + m.flag[2:]] if restate else [m.flag]
+    if restate:
+        listed = isinstance(m.default, list)
+        if m.default is None or (m.nargs is not None) != listed or m.default == []:
+            return []
+        return [m.flag, *map(str, m.default if listed else [m.default])]
+    other = [c for c in m.choices or () if c not in (m.default, None, SAME_HERE.get(m.flag))]
+    value = other[0] if other else {"int": (m.default or 0) + 1 if isinstance(
+        m.default, int) else 1, "float": 0.5 if m.default != 0.5 else 0.25}.get(m.type, "x")
+    return [m.flag, str(value)]
+
+
+def _table(status: str) -> list:
+    return [m for m, st, _ in megatron.table_flags().values() if st == status]
+
+
+def test_no_effect_flags_parse_with_their_arity_and_are_logged_once(caplog):
+    """Every no-effect flag at once (with a value not its default), and every refused flag
+    restating Megatron-LM's default, parse; each is logged once by the run's start-up."""
+    from megaulysses.training.run import log_megatron_meanings
+    argv = [w for m in _table(NO_EFFECT) for w in _values(m, restate=False)]
+    restated = [w for m in _table(REFUSED) for w in _values(m, restate=True)]
+    for flag, value in SAME_HERE.items():
+        restated += [flag, *(value if isinstance(value, list) else [value])]
+    cfg = parse_args(["--mock-data", *argv, *restated])
+    given = dict(cfg.compat.megatron_flags)
+    assert set(given) == {m.flag for m in _table(NO_EFFECT)} | set(SAME_HERE) | {
+        m.flag for m in _table(REFUSED) if _values(m, restate=True)}
+    with caplog.at_level(logging.INFO):
+        log_megatron_meanings(cfg, resolve(cfg, 1, 4096))
+    for flag in given:
+        lines = [r.message for r in caplog.records if r.message.startswith(flag + " ")
+                 or r.message.startswith(flag + ":")]
+        assert len(lines) == 1 and "accepted, no effect here (" in lines[0], (flag, lines)
+    line = next(r.message for r in caplog.records if r.message.startswith("--rotary-percent"))
+    assert line.startswith("--rotary-percent 1.0: accepted, no effect here (this value is "
+                           "what runs here; other values ask for rotary embeddings on part")
+
+
+def test_every_refused_flag_is_named_in_one_error():
+    argv = [w for m in _table(REFUSED) for w in _values(m, restate=False)]
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--mock-data", *argv])
+    assert set(e.value.flag.split("/")) == {m.flag for m in _table(REFUSED)}
+
+
+def test_a_refused_flag_stops_the_run_first_with_one_line(capfd):
+    """Before the other flags are read: an unknown flag and a bad value are not named."""
+    import pretrain_gpt
+    capfd.readouterr()
+    rc = pretrain_gpt.main(["--mock-data", "--hidden-size", "abc", "--fp8-format", "hybrid",
+                            "--no-such-flag", "--num-experts=8", "--use-mcore-models"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and "Traceback" not in out + err
+    assert err.strip().splitlines() == [
+        "error: --num-experts/--fp8-format: Megatron-LM's mixture of experts (--num-experts); "
+        "FP8 / FP4 training (--fp8-format): not provided here"]
+    rc = pretrain_gpt.main(["--mock-data", "--rotary-percent", "0.5"])
+    assert rc == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "error: --rotary-percent: rotary embeddings on part of the head dimension "
+        "(Megatron-LM's; not provided here)"]
+
+
+GPT3_175B = [  # examples/gpt3/train_gpt3_175b_distributed.sh, data paths aside
+    "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
+    "--micro-batch-size", "1", "--global-batch-size", "1536", "--rampup-batch-size", "16", "16",
+    "5859375", "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+    "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
+    "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+    "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+    "--data-path", "DATA", "--vocab-file", "VOCAB", "--merge-file", "MERGES",
+    "--split", "949,50,1", "--log-interval", "100", "--save-interval", "10000",
+    "--eval-interval", "1000", "--save", "CK", "--load", "CK", "--eval-iters", "10",
+    "--tensorboard-dir", "TB"]
+LLAMA3_8B = [  # examples/llama/train_llama3_8b_h100_fp8.sh, mock data, no FP8
+    "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
+    "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
+    "--num-query-groups", "8", "--kv-channels", "128", "--seq-length", "8192",
+    "--max-position-embeddings", "8192", "--position-embedding-type", "rope",
+    "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+    "--hidden-dropout", "0.0", "--swiglu", "--normalization", "RMSNorm",
+    "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--micro-batch-size", "1", "--global-batch-size", "128", "--train-samples", "1953125000",
+    "--lr-decay-samples", "1949218748", "--lr-warmup-samples", "3906252", "--lr", "0.00015",
+    "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+    "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16",
+    "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
+    "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+    "--data-cache-path", "CACHE", "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+    "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+    "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100",
+    "--save-interval", "1000", "--log-throughput", "--profile", "--profile-step-start", "4",
+    "--profile-step-end", "6", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes",
+    "60", "--save", "CK", "--load", "CK", "--tensorboard-dir", "TB"]
+LLAMA3_FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+              "--fp8-amax-compute-algo", "max", "--fp8-param-gather"]
+
+
+@pytest.mark.parametrize("argv", [GPT3_175B, LLAMA3_8B], ids=["gpt3-175b", "llama3-8b"])
+def test_megatron_scripts_parse(argv):
+    """Every flag of the script is ours, or accepted (logged); nothing is refused."""
+    ns = build_parser().parse_args(argv)  # no unknown flag, every value of its type
+    megatron.refuse(megatron.given(ns))
+    statuses = {m.flag: st for m, st, _ in megatron.status_rows()}
+    ours = our_options()
+    for flag in (w for w in argv if w.startswith("--")):
+        assert flag in ours or statuses.get(flag) in (NO_EFFECT, REFUSED), flag
+
+
+def test_the_llama_scripts_fp8_flags_are_refused():
+    with pytest.raises(ConfigError) as e:
+        megatron.refuse_first(LLAMA3_8B + LLAMA3_FP8, argparse.ArgumentParser(
+            add_help=False, allow_abbrev=False))
+    assert e.value.flag.split("/") == ["--fp8-format", "--fp8-amax-history-len",
+                                       "--fp8-amax-compute-algo", "--fp8-param-gather"]
