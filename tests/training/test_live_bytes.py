@@ -191,9 +191,10 @@ def _ranks(rank, world):
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(buf, pre)
         out["all_gather"] = mem.current
         del buf
+        _settled(mem, 0)  # gloo's worker thread may still hold buf for a moment
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         y = funcol.wait_tensor(gather(pre, 0, mesh))  # allocated in C++
-        out["functional"] = mem.current
+        out["functional"] = _settled(mem, world * 1000 * F32)
         del y
     d = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])  # [32, 32] per rank
     with LiveBytes() as mem:
