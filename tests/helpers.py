@@ -106,3 +106,35 @@ def with_vocab(cfg, vocab_size: int):
     """`cfg` (frozen) with the tokenizer's vocabulary, as resolve() fills it."""
     import dataclasses
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(tool, *args) -> tuple:
+    """tool.main() in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = tool.main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def preprocess_texts(directory, name: str, texts: list, flags: list) -> str:
+    """tools/preprocess_data.py (in this process) on `texts` as a jsonl in `directory`,
+    each document ending with the end-of-document id: the Megatron data prefix."""
+    corpus = os.path.join(str(directory), f"{name}.jsonl")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    prefix = os.path.join(str(directory), name)
+    args = ["--input", corpus, "--output-prefix", prefix, *flags, "--append-eod"]
+    assert load_tool("preprocess_data").main(args) == 0
+    return prefix + "_text_document"

@@ -3,7 +3,9 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod
 
-(or --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt)
+(or --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt, or
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR_OR_tokenizer.json: --append-eod
+then appends the tokenizer's eos, or --eod-token-id)
 
 Each json line is one document; every key in --json-keys gives its own
 dataset ``<output-prefix>_<key>_document`` (Megatron's naming).  Documents
@@ -99,8 +101,7 @@ def encode_range(opts: dict, first: int, stop: int, prefix: str, progress=None) 
 
     Returns {key: (documents, tokens)}.  Runs in the main process or a worker.
     """
-    tokenizer = build_tokenizer(opts["tokenizer_type"], opts["tokenizer_model"],
-                                opts["vocab_size"], opts["vocab_file"], opts["merge_file"])
+    tokenizer = _build(opts)
     keys, dtype = opts["json_keys"], optimal_dtype(tokenizer.vocab_size)
     writers = {k: IndexedDatasetWriter(output_prefix_for(prefix, k), dtype) for k in keys}
     stats = {k: [0, 0] for k in keys}
@@ -133,6 +134,12 @@ def encode_range(opts: dict, first: int, stop: int, prefix: str, progress=None) 
     return {k: tuple(v) for k, v in stats.items()}
 
 
+def _build(opts: dict):
+    return build_tokenizer(opts["tokenizer_type"], opts["tokenizer_model"], opts["vocab_size"],
+                           opts["vocab_file"], opts["merge_file"], opts["eod_token_id"],
+                           opts["include_special_tokens"])
+
+
 def _worker(opts: dict, first: int, stop: int, part_prefix: str, progress_queue) -> dict:
     return encode_range(opts, first, stop, part_prefix, progress_queue.put)
 
@@ -161,7 +168,8 @@ def _run_workers(opts: dict, n_lines: int, tmp_dir: str, bar) -> list[tuple[str,
 def preprocess(input_path: str, output_prefix: str, json_keys: list[str], tokenizer_type: str,
                tokenizer_model: str | None = None, vocab_size: int | None = None,
                append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
-               vocab_file: str | None = None, merge_file: str | None = None) -> dict:
+               vocab_file: str | None = None, merge_file: str | None = None,
+               eod_token_id: int | None = None, include_special_tokens: bool = False) -> dict:
     """Tokenize input_path; returns {output dataset prefix: (documents, tokens)}.
 
     Raises InputError for bad input; nothing is left under the final names then.
@@ -172,15 +180,15 @@ def preprocess(input_path: str, output_prefix: str, json_keys: list[str], tokeni
         raise InputError(f"--input: file not found: {input_path}")
     if workers < 1 or log_interval < 1:
         raise InputError("--workers and --log-interval: must be at least 1")
-    try:
-        tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, vocab_file,
-                                    merge_file)
-    except (OSError, ValueError) as e:
-        raise InputError(str(e)) from None
     opts = dict(input=input_path, json_keys=list(json_keys), tokenizer_type=tokenizer_type,
                 tokenizer_model=tokenizer_model, vocab_size=vocab_size, vocab_file=vocab_file,
-                merge_file=merge_file, append_eod=append_eod, workers=workers,
-                log_interval=log_interval)
+                merge_file=merge_file, eod_token_id=eod_token_id,
+                include_special_tokens=include_special_tokens, append_eod=append_eod,
+                workers=workers, log_interval=log_interval)
+    try:
+        tokenizer = _build(opts)
+    except (OSError, ValueError) as e:
+        raise InputError(str(e)) from None
     n_lines = count_lines(input_path)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     # disable=None: no bar when stderr is not a terminal (logs, tests).
@@ -223,6 +231,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    p.add_argument("--eod-token-id", type=int, default=None,
+                   help="HuggingFaceTokenizer: the end-of-document id (default: its eos)")
+    p.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: add the tokenizer's special tokens (e.g. Llama "
+                        "3's <|begin_of_text|>) to every document")
     p.add_argument("--append-eod", action="store_true", help="end every document with eod")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000,
@@ -235,7 +248,8 @@ def main(argv=None) -> int:
     try:
         results = preprocess(args.input, args.output_prefix, args.json_keys, args.tokenizer_type,
                              args.tokenizer_model, args.vocab_size, args.append_eod,
-                             args.workers, args.log_interval, args.vocab_file, args.merge_file)
+                             args.workers, args.log_interval, args.vocab_file, args.merge_file,
+                             args.eod_token_id, args.tokenizer_hf_include_special_tokens)
     except (InputError, OSError) as e:
         print(f"preprocess_data.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

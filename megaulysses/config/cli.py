@@ -175,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "docs/megatron_compat.md lists every one.")
     groups = {title: p.add_argument_group(title) for title in GROUPS}
     for cls, title in SECTIONS.values():
-        for f in fields(cls):
+        # by help group, then the schema's order: ModelConfig's inherited RoPE fields
+        # (schema_rope.py) come after the model's own in the usage line too
+        for f in sorted(fields(cls), key=lambda f: GROUPS.index(f.metadata.get("group")
+                                                                or title)):
             for i, flag in enumerate(f.metadata.get("flags", ())):
                 # the field's own flag has its default; extra flags have their own
                 default = _default(f) if i == f.metadata["main"] else flag.default

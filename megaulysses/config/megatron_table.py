@@ -84,9 +84,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--relative-attention-max-distance": (REFUSED, "relative position embeddings (T5)"),
     "--rotary-percent": (REFUSED, "rotary embeddings on part of the head dimension"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary embeddings (rotate-half here)"),
-    "--rotary-seq-len-interpolation-factor": (REFUSED, "rotary position interpolation"),
-    "--use-rope-scaling": (REFUSED, "Llama 3.x RoPE frequency scaling"),
-    "--rope-scaling-factor": (REFUSED, "Llama 3.x RoPE frequency scaling"),
     "--no-rope-freq": (REFUSED, "layers without RoPE"),
     "--no-position-embedding": (REFUSED, "Megatron-LM's deprecated switch: use "
                                          "--position-embedding-type"),
@@ -150,13 +147,11 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--no-bias-swiglu-fusion": (NO_EFFECT, _FUSION),
     "--use-fused-weighted-squared-relu": (REFUSED, "mixture of experts"),
     "--no-rope-fusion": (NO_EFFECT, _FUSION),
-    "--rope-type": (REFUSED, "YaRN rotary embeddings"),
     "--cross-entropy-fusion-impl": (NO_EFFECT, _FUSION),
     "--use-flash-attn": (NO_EFFECT, "--attention-backend auto, the default, runs flash_attn "
                                     "on CUDA with --bf16 or --fp16 where it is installed and "
                                     "the mask allows; Megatron-LM's --attention-backend "
                                     "decides there too"),
-    "--add-qkv-bias": (REFUSED, "biases in the QKV linear alone"),
     "--optimizer": (REFUSED, "other optimizers than Adam(W)"),
     **{f: (REFUSED, _OFFLOAD) for f in (
         "--optimizer-cpu-offload", "--optimizer-offload-fraction",
@@ -349,9 +344,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--te-rng-tracker": (NO_EFFECT, "Transformer Engine's RNG tracker: dropout draws from "
                                     "torch's generators here"),
     "--inference-rng-tracker": (NO_EFFECT, "an RNG for inference; this is training"),
-    # vision: its QK norms concern language models too
-    "--qk-layernorm": (REFUSED, "QK normalization"),
-    "--qk-l2-norm": (REFUSED, "QK normalization"),
+    # vision: its QK norms concern language models too (--qk-layernorm is ours)
+    "--qk-l2-norm": (REFUSED, "Llama 4's QK L2 normalization"),
     # experimental
     "--enable-experimental": (NO_EFFECT, "Megatron-LM's experimental code paths are not here"),
     "--spec": (REFUSED, "custom Megatron-Core layer specs"),
@@ -369,7 +363,6 @@ FLAGS: dict[str, tuple[str, str]] = {
 # Values of refused flags that ask for what runs here anyway (Megatron-LM's own default
 # values are accepted too): accepted and logged.
 SAME_HERE: dict[str, object] = {
-    "--rope-type": "rope",
     "--dataloader-type": "single",
     "--recompute-modules": ["core_attn"],
 }

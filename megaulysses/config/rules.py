@@ -12,10 +12,11 @@ from typing import Optional
 
 from megaulysses.config.errors import ConfigError, require
 from megaulysses.config.grid import ParallelDims
+from megaulysses.config.rules_rope import validate_rope
 from megaulysses.config.schedule import (check_micro_batches, check_schedule_flags,
                                          with_default_iters)
-from megaulysses.config.schema import (Config, DataConfig, LogConfig, MemoryConfig,
-                                       ModelConfig, ParallelConfig, TrainConfig)
+from megaulysses.config.schema import (BUNDLED_TOKENIZER, Config, DataConfig, LogConfig,
+                                       MemoryConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 
 def validate(cfg: Config) -> None:
@@ -62,6 +63,7 @@ def _validate_model(m: ModelConfig):
                      "" if m.kv_channels else f" = {m.hidden_size} / {m.num_attention_heads} "
                      "heads (or set --kv-channels)"))
         require(m.rotary_base > 0, "--rotary-base", f"must be > 0, got {m.rotary_base}")
+    validate_rope(m, m.position_embedding_type)  # the RoPE scalings (rules_rope.py)
     require(m.seq_length <= m.max_positions, "--seq-length",
              f"must be <= --max-position-embeddings ({m.seq_length} > {m.max_positions})")
     for flag, p in (("--hidden-dropout", m.hidden_dropout),
@@ -266,6 +268,17 @@ def _validate_tokenizer(d: DataConfig):
     elif d.tokenizer_type == "SentencePieceTokenizer":
         require(d.tokenizer_model is not None, "--tokenizer-model",
                  f"required with {d.tokenizer_type}")
+    hf = d.tokenizer_type == "HuggingFaceTokenizer"
+    # (the default --tokenizer-model is the bundled SentencePiece model, no tokenizer.json)
+    require(not hf or d.tokenizer_model not in (None, BUNDLED_TOKENIZER), "--tokenizer-model",
+            "required with HuggingFaceTokenizer: a directory holding tokenizer.json, or the file")
+    for flag, given in (("--eod-token-id", d.eod_token_id is not None),
+                        ("--tokenizer-hf-include-special-tokens",
+                         d.tokenizer_hf_include_special_tokens)):
+        require(hf or not given, flag, "is only used with --tokenizer-type "
+                f"HuggingFaceTokenizer (this run's is {d.tokenizer_type})")
+    require(d.eod_token_id is None or d.eod_token_id >= 0, "--eod-token-id",
+            f"must be >= 0, got {d.eod_token_id}")
     gpt2 = d.tokenizer_type == "GPT2BPETokenizer"
     for flag, path in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)):
         require(path is not None or not gpt2, flag, "required with GPT2BPETokenizer")

@@ -27,6 +27,7 @@ from megaulysses.config.compat import MEGATRON_ATTENTION, CompatConfig
 from megaulysses.config.fields import Flag, derived, option
 from megaulysses.config.groups import (COMPAT, DATA, LOGGING, MASK, MEMORY, MODEL, PARALLEL,
                                        TRAINING)
+from megaulysses.config.schema_rope import RopeScalingConfig
 from megaulysses.config.schema_run import LogConfig, MemoryConfig, ParallelConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +37,8 @@ BUNDLED_TOKENIZER = os.path.join(REPO_ROOT, "data", "shakespeare_tok.model")
 # The attention backends: model/attention BACKENDS (not imported: the schema needs no torch).
 ATTENTION_BACKENDS = ("auto", "math", "block", "sdpa", "flash", "flex")
 ATTENTION_SPARSITIES = ("dense", "fixed", "bigbird")
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
 # What the attention may see: not part of a checkpoint's shape (any mask loads any weights).
@@ -51,7 +53,7 @@ def _relative(path: str) -> str:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
     num_layers: int = option(6, "transformer layers", kind="positive")
     hidden_size: int = option(384, "model width", kind="positive")
     ffn_hidden_size: Optional[int] = option(
@@ -88,6 +90,12 @@ class ModelConfig:
         True, "biases in the linear layers (GPT-2)", action="store_true", before=(Flag(
             "no biases in the linear layers (Llama)", names=("--disable-bias-linear",),
             action="store_false", default=True),))
+    add_qkv_bias: bool = option(
+        False, "biases on the q, k and v projections only (Qwen2), whatever "
+        "--disable-bias-linear says of the other linears", action="store_true")
+    qk_layernorm: bool = option(
+        False, "normalize each head of q and of k (Qwen3) before RoPE: a --normalization of "
+        "the head dimension, weights shared by the heads", action="store_true")
     untie_embeddings_and_output_weights: bool = option(
         False, "an output layer of its own instead of the input embedding's weights",
         action="store_true")
@@ -159,7 +167,7 @@ class ModelConfig:
             d.pop(k)
         d.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.num_kv_heads,
                  kv_channels=self.head_dim, max_position_embeddings=self.max_positions,
-                 padded_vocab_size=self.padded_vocab_size)
+                 padded_vocab_size=self.padded_vocab_size, **self.rope_shape_dict())
         return d
 
 
@@ -177,15 +185,24 @@ class DataConfig:
         None, "where the sample indices are cached; default: <first data prefix>_cache")
     tokenizer_type: str = option(
         "SentencePieceTokenizer", "GPT2BPETokenizer: GPT-2's byte-level BPE, with --vocab-file "
-        "and --merge-file; NullTokenizer: token ids as they are, with --vocab-size",
-        choices=TOKENIZER_TYPES)
+        "and --merge-file; HuggingFaceTokenizer: a Hugging Face tokenizer.json (Llama 3, Qwen, "
+        "Mistral, ...) with --tokenizer-model; NullTokenizer: token ids as they are, with "
+        "--vocab-size", choices=TOKENIZER_TYPES)
     tokenizer_model: Optional[str] = option(
-        BUNDLED_TOKENIZER, "the SentencePiece model file; default: "
-        f"{_relative(BUNDLED_TOKENIZER)} (the bundled one)")
+        BUNDLED_TOKENIZER, "the SentencePiece model file, or for HuggingFaceTokenizer a "
+        "directory holding tokenizer.json (a model's, with its tokenizer_config.json) or the "
+        f"tokenizer.json file; default: {_relative(BUNDLED_TOKENIZER)} (the bundled one)")
     vocab_file: Optional[str] = option(
         None, "GPT2BPETokenizer: GPT-2's vocab.json (token -> id; its <|endoftext|> ends "
         "documents)")
     merge_file: Optional[str] = option(None, "GPT2BPETokenizer: GPT-2's merges.txt (BPE merges)")
+    eod_token_id: Optional[int] = option(
+        None, "HuggingFaceTokenizer: the end-of-document id; default: the tokenizer's eos "
+        "token (tokenizer_config.json's eos_token)", kind="int")
+    tokenizer_hf_include_special_tokens: bool = option(
+        False, "HuggingFaceTokenizer: tokenize with the tokenizer's special tokens (its "
+        "post-processor's, e.g. Llama 3's <|begin_of_text|> before every document); default: "
+        "the text's ids only", action="store_true")
     vocab_size: Optional[int] = option(
         None, "NullTokenizer: ids are below this (the end-of-document id is this one); other "
         "tokenizers set the vocabulary themselves", kind="positive")

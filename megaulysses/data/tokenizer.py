@@ -6,22 +6,12 @@ import json
 import os
 from typing import Iterable, SupportsInt
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+from megaulysses.data.tokenizer_base import Tokenizer  # the interface, here as before
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
 # GPT-2's end-of-text token: Megatron-LM's GPT2BPETokenizer ends documents with it.
 GPT2_EOD = "<|endoftext|>"
-
-
-class Tokenizer:
-    """Interface the data tools and the trainer rely on."""
-
-    vocab_size: int
-    eod: int
-
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def detokenize(self, ids: Iterable[SupportsInt]) -> str:
-        raise NotImplementedError
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -164,11 +154,23 @@ class NullTokenizer(Tokenizer):
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
                     vocab_size: int | None = None, vocab_file: str | None = None,
-                    merge_file: str | None = None) -> Tokenizer:
+                    merge_file: str | None = None, eod_token_id: int | None = None,
+                    include_special_tokens: bool = False) -> Tokenizer:
     """Build a tokenizer from the command-line flags.
 
-    Flags a type does not use are ignored (the trainer passes its defaults along).
+    Flags a type does not use are ignored (the trainer passes its defaults along), except
+    HuggingFaceTokenizer's own: `eod_token_id` (--eod-token-id) and `include_special_tokens`
+    (--tokenizer-hf-include-special-tokens) given to another type are an error.
     """
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megaulysses.data.hf_tokenizer import HuggingFaceTokenizer  # needs `tokenizers`
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-model: required for HuggingFaceTokenizer")
+        return HuggingFaceTokenizer(tokenizer_model, eod_token_id, include_special_tokens)
+    for flag, given in (("--eod-token-id", eod_token_id is not None),
+                        ("--tokenizer-hf-include-special-tokens", include_special_tokens)):
+        if given:  # another type would ignore it: a run that silently means something else
+            raise ValueError(f"{flag}: is only used with --tokenizer-type HuggingFaceTokenizer")
     if tokenizer_type == "SentencePieceTokenizer":
         if not tokenizer_model:
             raise ValueError("--tokenizer-model: required for SentencePieceTokenizer")

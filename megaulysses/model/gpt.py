@@ -22,19 +22,29 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
 from megaulysses.model.ops import linear, linear_cross_entropy
-from megaulysses.model.layers import (MLP, EmbeddingTable, Linear, apply_rotary, build_norm,
-                                      rotary_angles)
+from megaulysses.model.layers import MLP, EmbeddingTable, Linear, build_norm
+from megaulysses.model.rope import apply_rotary, rotary_angles
 
 
 class SelfAttention(nn.Module):
+    """q, k, v projections (biased under --add-bias-linear or --add-qkv-bias), per-head
+    norms of q and k (--qk-layernorm), RoPE, the attention core, the out projection."""
+
     def __init__(self, cfg: ModelConfig, core: AttentionCore):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_kv_heads, d)
-        self.q = Linear(h, self.num_heads * d, bias=cfg.add_bias_linear)
-        self.k = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
-        self.v = Linear(h, self.num_kv_heads * d, bias=cfg.add_bias_linear)
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+        self.q = Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        # One [d] norm each, shared by the heads (Qwen3): per head, so a rank holding some
+        # heads (tensor parallel) or some tokens (Ulysses, ring) normalizes its own alone.
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            norm = (cfg.normalization, d, cfg.norm_epsilon, cfg.apply_layernorm_1p)
+            self.q_norm, self.k_norm = build_norm(*norm), build_norm(*norm)
         self.out = Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
         self.core = core  # (q, k, v, dropout_p, mask) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
@@ -47,6 +57,8 @@ class SelfAttention(nn.Module):
         q = self.q(x).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
         k = self.k(x).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
         v = self.v(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:  # before RoPE; fp32 out, back to the projections' dtype
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
@@ -169,7 +181,7 @@ class GPT(nn.Module):
         shared by every layer (None without RoPE)."""
         if not self.rope:
             return None
-        return rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
+        return rotary_angles(position_ids, self.cfg)
 
     def output(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The head: per-token losses `[b, s]` with labels, else logits `[b, s, V]`."""
@@ -196,7 +208,7 @@ class GPT(nn.Module):
 def initial_value(cfg: ModelConfig, seed: int, name: str, shape: tuple) -> torch.Tensor:
     """Megatron's scheme, on the CPU: normal(0, std) for weights, std/sqrt(2*layers) for the
     two output projections of each block, zero biases, unit norm weights (zero under
-    --apply-layernorm-1p, which stores gamma - 1)."""
+    --apply-layernorm-1p, which stores gamma - 1; q_norm and k_norm too)."""
     if name.endswith("norm.weight"):
         return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):

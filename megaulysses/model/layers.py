@@ -1,4 +1,5 @@
-"""Building blocks of the GPT: norms, the MLP, rotary position embedding."""
+"""Building blocks of the GPT: linears, norms, embedding, the MLP (rotary position
+embedding: rope.py)."""
 
 from __future__ import annotations
 
@@ -110,28 +111,3 @@ class MLP(nn.Module):
         else:
             y = F.gelu(self.fc1(x), approximate="tanh")
         return self.fc2(y)  # [b, s, h]
-
-
-def rotary_angles(position_ids: torch.Tensor, head_dim: int,
-                  base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[b, s, 1, d/2]` fp32 of the rotary angles of `position_ids` `[b, s]`.
-
-    Computed from the positions themselves (in fp64, then rounded: the values a table of
-    every position would hold, bit for bit), so no rank keeps a `[max positions, d/2]`
-    table: at a million positions that table is 256 MiB per rank, and a rank needs only
-    its own tokens' angles. Position ids are global token positions: under sequence
-    parallelism a rank holding tokens [r*S/P, (r+1)*S/P) passes those, never local ones.
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
-                                            device=position_ids.device) / head_dim))
-    angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq  # [b, s, d/2]
-    return angles.cos().float().unsqueeze(2), angles.sin().float().unsqueeze(2)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k `[b, s, h, d]` by the angles `cos`, `sin` `[b, s, 1, d/2]`
-    (`rotary_angles`). Rotate-half layout (pairs i and i + d/2), as in Megatron-LM and
-    Hugging Face Llama."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [b, s, h, d/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)

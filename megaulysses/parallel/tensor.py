@@ -2,13 +2,15 @@
 loss.
 
 Per block: q, k, v, fc1 (and gate) are column-parallel (each rank computes its heads or its
-slice of the MLP), out and fc2 row-parallel (partial sums, all-reduced). The embedding is
-vocab-parallel (rows split; each rank looks up its own ids, the sum is all-reduced). The
-output layer is vocab-parallel too, and its loss is `vocab_parallel_linear_cross_entropy`
-(here): the chunked cross entropy of model/ops/cross_entropy.py (by chunks of tokens,
-recomputed in backward) with its cross-rank reductions (`_VocabShard`) as all-reduces over
-the tp group, so no rank ever holds full-vocabulary logits, nor more than one chunk of its
-own `[tokens, V/tp]` logits or their gradient.
+slice of the MLP; biases split with their rows), out and fc2 row-parallel (partial sums,
+all-reduced); the per-head q/k norms (--qk-layernorm) replicated, their gradients summed.
+The embedding is vocab-parallel (rows split; each rank looks up its own ids, the sum is
+all-reduced). The output layer is vocab-parallel too, and its loss is
+`vocab_parallel_linear_cross_entropy` (here): the chunked cross entropy of
+model/ops/cross_entropy.py (by chunks of tokens, recomputed in backward) with its
+cross-rank reductions (`_VocabShard`) as all-reduces over the tp group, so no rank ever
+holds full-vocabulary logits, nor more than one chunk of its own `[tokens, V/tp]` logits
+or their gradient.
 
 `sequence_parallel=True` is Megatron's sequence parallelism inside the tp group (the
 paper's baseline): between blocks the residual stream is split along the sequence
@@ -78,6 +80,7 @@ BLOCK_LINEARS = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
                  "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise",
                  "mlp.gate": "colwise"}
 VOCAB_PARALLEL = ("embed.word", "head.output")
+QK_NORMS = ("attn.q_norm", "attn.k_norm")  # replicated; each rank normalizes its own heads
 
 
 def _block_plan(block, sp: bool) -> dict:
@@ -96,6 +99,12 @@ def _block_plan(block, sp: bool) -> dict:
     plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     if sp:  # norms on sequence shards; all-gather before each column-parallel group
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+    if block.attn.q_norm is not None:
+        # --qk-layernorm: a replicated [d] norm over this rank's heads (dim 2 of
+        # [b, s, heads, d]); its gradient is a Partial sum over tp, all-reduced by
+        # align_grads (Megatron-LM all-reduces the qk-layernorm gradients likewise)
+        plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for name in QK_NORMS})
     return plan
 
 

@@ -30,17 +30,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import hashlib
 import json
 import logging
 import os
 import random
 import re
-import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
@@ -53,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from megaulysses.config import CheckpointError, Config, RunConfig, TrainConfig
 from megaulysses.config.schema import SECTIONS
+from megaulysses.training.load_rules import check_meta
 
 if TYPE_CHECKING:
     from megaulysses.config import ModelConfig
@@ -67,10 +66,6 @@ STATE_FILE = "trainer_state.json"
 COMMIT_FILE = "COMMITTED"
 TOKENIZER_FILE = "tokenizer.model"
 GPT2_VOCAB_FILE, GPT2_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's own names
-VOCAB_KEYS = ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by")
-# Model shape keys newer than the first checkpoints, with the value every checkpoint saved
-# without the key has (ModelConfig's default then).
-SHAPE_ADDED_LATER = {"apply_layernorm_1p": False}
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
 # pipeline stages hold different parameters, so a nested per-rank list of param groups
@@ -364,48 +359,6 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-# -- what a checkpoint must agree on ------------------------------------------------------
-
-def check_meta(path: str, saved: dict, expect: dict) -> None:
-    """Errors (exit 2) for what makes the weights meaningless here: model shape,
-    vocabulary, tokenizer. `expect`: {"model": shape_dict, "tokenizer": {...}}."""
-    shape = saved.get("model", {})
-    free = set(VOCAB_KEYS) | {"seq_length"}  # the data's length: no weight depends on it
-    if expect["model"].get("position_embedding_type") == "rope":
-        free.add("max_position_embeddings")  # rotary tables are computed, not stored
-    saved_value = {**SHAPE_ADDED_LATER, **shape}.get
-    differ = [("--" + key.replace("_", "-"), saved_value(key), value)
-              for key, value in expect["model"].items()
-              if key not in free and saved_value(key) != value]
-    if len(differ) == 1:  # the usual case: one flag changed
-        flag, old, new = differ[0]
-        raise CheckpointError(f"--load: {path} was saved with {flag}={old} but this run "
-                              f"has {new}")
-    if differ:  # one changed switch moves derived sizes too: name them all
-        raise CheckpointError(
-            f"--load: {path} was saved with {', '.join(f'{f}={o}' for f, o, _ in differ)} "
-            f"but this run has {', '.join(f'{f}={n}' for f, _, n in differ)}")
-    _check_vocab(path, shape, saved.get("tokenizer"), expect)
-
-
-def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict):
-    want, tok = expect["model"], expect.get("tokenizer") or {}
-    where = tok.get("flag", "the tokenizer")
-    if shape.get("vocab_size") != want["vocab_size"]:
-        raise CheckpointError(f"--load: {path} was saved with a vocabulary of "
-                              f"{shape.get('vocab_size')} tokens but {where} has "
-                              f"{want['vocab_size']}")
-    if shape.get("padded_vocab_size") != want["padded_vocab_size"]:
-        raise CheckpointError(f"--load: {path} was saved with --make-vocab-size-divisible-by="
-                              f"{shape.get('make_vocab_size_divisible_by')} (padded vocabulary "
-                              f"{shape.get('padded_vocab_size')}) but this run pads to "
-                              f"{want['padded_vocab_size']}")
-    if saved_tok and tok.get("sha256") and saved_tok.get("sha256") != tok["sha256"]:
-        raise CheckpointError(f"--load: {path} was trained with another tokenizer than "
-                              f"{where} (same size, different vocabulary: sha256 "
-                              f"{saved_tok['sha256'][:12]} vs {tok['sha256'][:12]})")
-
-
 # ---- what a training run writes beside its weights, and checks when it resumes ----------
 
 
@@ -428,6 +381,11 @@ def tokenizer_meta(cfg: Config, vocab_size: int) -> dict:
         return {"type": d.tokenizer_type, "vocab_size": vocab_size,
                 "sha256": tokenizer_sha256(d.vocab_file, d.merge_file),
                 "flag": f"--vocab-file {d.vocab_file} --merge-file {d.merge_file}"}
+    if d.tokenizer_type == "HuggingFaceTokenizer":  # its tokenizer.json holds the vocabulary
+        from megaulysses.data.hf_tokenizer import tokenizer_json
+        return {"type": d.tokenizer_type, "vocab_size": vocab_size,
+                "sha256": tokenizer_sha256(tokenizer_json(d.tokenizer_model)),
+                "flag": f"--tokenizer-model {d.tokenizer_model}"}
     return {"type": d.tokenizer_type, "vocab_size": vocab_size,
             "sha256": tokenizer_sha256(d.tokenizer_model),
             "flag": f"--tokenizer-model {d.tokenizer_model}"}

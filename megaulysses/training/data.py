@@ -30,7 +30,8 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
             raise ConfigError(flag, f"{path}: cannot read (permission denied)")
     try:
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size,
-                               d.vocab_file, d.merge_file)
+                               d.vocab_file, d.merge_file, d.eod_token_id,
+                               d.tokenizer_hf_include_special_tokens)
     except (OSError, ValueError, RuntimeError) as e:
         raise _load_error(cfg, str(e)) from None
 
@@ -42,6 +43,11 @@ def _load_error(cfg: Config, message: str) -> ConfigError:
         if flag in ("--vocab-file", "--merge-file"):
             return ConfigError(flag, reason)
         return ConfigError("--vocab-file/--merge-file", message)
+    if d.tokenizer_type == "HuggingFaceTokenizer":  # its messages name the flag and the file
+        flag, _, reason = message.partition(": ")
+        if flag in ("--tokenizer-model", "--eod-token-id"):
+            return ConfigError(flag, reason)
+        return ConfigError("--tokenizer-model", f"cannot load {d.tokenizer_model}: {message}")
     flag = "--vocab-size" if d.tokenizer_type == "NullTokenizer" else "--tokenizer-model"
     reason = message.removeprefix(f"{flag}:").strip()
     return ConfigError(flag, f"cannot load {d.tokenizer_model}: {reason}")
@@ -54,7 +60,7 @@ def _tokenizer_paths(cfg: Config) -> list[tuple[str, str]]:
         return [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]
     if d.tokenizer_type == "SentencePieceTokenizer":
         return [("--tokenizer-model", d.tokenizer_model)]
-    return []
+    return []  # HuggingFaceTokenizer checks its own files (a directory's among them)
 
 
 def sample_counts(cfg: Config) -> tuple[int, int, int]:

@@ -48,11 +48,25 @@ class Window:
         self.time += seconds
 
 
+def _positions(m) -> str:
+    """"rope (base 500000, llama3 x8 from 8192)": the positions and their scaling."""
+    if m.position_embedding_type != "rope":
+        return m.position_embedding_type
+    scaling = {"llama3": lambda: f", llama3 x{m.rope_scaling_factor:g} from "
+                                 f"{m.original_max_positions}",
+               "linear": lambda: f", linear x{m.rotary_seq_len_interpolation_factor:g}",
+               "yarn": lambda: f", yarn x{m.rotary_scaling_factor:g} from "
+                               f"{m.original_max_positions}"}.get(m.rope_scaling, str)()
+    return f"rope (base {m.rotary_base:g}{scaling})"
+
+
 def log_startup(run: Run) -> None:
     """The model, the grid, ZeRO, recomputation, the memory plan and the pipeline."""
     m, d = run.cfg.model, run.cfg.dims
-    style = (f"{m.position_embedding_type}, {m.normalization}, "
-             f"{'SwiGLU' if m.swiglu else 'GeLU'}, {'bias' if m.add_bias_linear else 'no bias'}, "
+    style = (f"{_positions(m)}, {m.normalization}, "
+             f"{'SwiGLU' if m.swiglu else 'GeLU'}, {'bias' if m.add_bias_linear else 'no bias'}"
+             f"{', q/k/v bias' if m.add_qkv_bias and not m.add_bias_linear else ''}"
+             f"{', q/k norm' if m.qk_layernorm else ''}, "
              f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings")
     log.info("model: %d layers, hidden %d, ffn %d, %d heads / %d kv heads, seq %d, "
              "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",

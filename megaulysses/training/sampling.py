@@ -32,8 +32,9 @@ def generate_text(run: Run) -> Optional[str]:
         model = build_model(cfg.model, core, t.seed, device)
         model.load_state_dict(state)
     tok = run.tokenizer
-    prompt = tok.tokenize(t.generate_prompt) if t.generate_prompt else []
-    prompt = prompt or [tok.eod]  # start of a new document
+    # "" gives a tokenizer's start of a document where it adds one (Llama 3's bos under
+    # --tokenizer-hf-include-special-tokens), else the previous document's end starts one
+    prompt = tok.tokenize(t.generate_prompt or "") or [tok.eod]
     with autocast(device, run.dtype):
         new = sample(model, prompt, t.generate, cfg.model.seq_length, tok.vocab_size,
                      t.generate_temperature, t.generate_top_k, seed=t.seed)

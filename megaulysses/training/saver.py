@@ -264,7 +264,11 @@ def write_model_checkpoint(save_dir: str, state_dict: dict, model_shape: dict,
             **(extra or {})}
     if tokenizer:
         _copy_tokenizer(tokenizer, tmp)
-        meta["tokenizer"] = {"sha256": tokenizer_sha256(*tokenizer.values())}
+        # The vocabulary's identity, as a training run records it (checkpoint.tokenizer_meta):
+        # a Hugging Face tokenizer's tokenizer.json alone, not its config files.
+        vocab = [tokenizer["tokenizer.json"]] if "tokenizer.json" in tokenizer else \
+            list(tokenizer.values())
+        meta["tokenizer"] = {"sha256": tokenizer_sha256(*vocab)}
     with _quiet():
         dcp.save({"model": dict(state_dict)}, checkpoint_id=tmp, no_dist=True)
     saver._commit(tmp, final, meta)

@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from megaulysses.config import Config, ConfigError, ModelConfig
+from megaulysses.data.hf_tokenizer import hf_tokenizer_files
 from megaulysses.model.gpt import GPT, parameter_count
 from megaulysses.parallel.comm import Comm
 from megaulysses.training.profiling import trace_dir
@@ -92,6 +93,8 @@ def tokenizer_files(cfg: Config) -> dict[str, str]:
         return {}
     if d.tokenizer_type == "GPT2BPETokenizer":
         return {GPT2_VOCAB_FILE: d.vocab_file, GPT2_MERGES_FILE: d.merge_file}
+    if d.tokenizer_type == "HuggingFaceTokenizer":  # tokenizer.json and its configs, present
+        return hf_tokenizer_files(d.tokenizer_model)
     return {TOKENIZER_FILE: d.tokenizer_model}
 
 

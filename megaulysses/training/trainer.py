@@ -41,6 +41,7 @@ class Trainer:
         self.scaler = LossScaler(t) if t.fp16 else NoScaler()
         self.state = ckpt.TrainState()
         self.consecutive_skipped = 0
+        self.converted_from: Optional[dict] = None  # set by _load from an imported model
         self.saver = self._build_saver() if t.save else None
         log_startup(self.run)
         if t.load:
@@ -88,6 +89,9 @@ class Trainer:
         self.state, meta = ckpt.load_checkpoint(path, self.model, self.optimizer, expect,
                                                 self.rank, load_optim=not t.no_load_optim,
                                                 load_rng=not t.no_load_rng)
+        # An imported model's origin (tools/convert_checkpoint.py: its family, source dtype,
+        # special ids) goes on in every checkpoint trained from it, for the export back.
+        self.converted_from = meta.get("converted_from")
         if self.saver is not None and os.path.dirname(os.path.abspath(path)) == \
                 os.path.abspath(t.save):
             self.saver.protected = self.state.iteration  # retention keeps what we resumed
@@ -104,6 +108,8 @@ class Trainer:
     def save(self) -> None:
         self.state.loss_scaler = self.scaler.state_dict()
         meta = ckpt.run_meta(self.cfg, self.tokenizer.vocab_size, self.run.parts.zero_stage)
+        if self.converted_from:
+            meta["converted_from"] = self.converted_from
         self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer_files(self.cfg))
 
     # -- the loop ---------------------------------------------------------------------------

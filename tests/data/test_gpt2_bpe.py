@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import TINY, run_inprocess
+from helpers import TINY, preprocess_texts, run_inprocess
 from megaulysses.data.indexed import IndexedDataset
 from megaulysses.data.tokenizer import GPT2_EOD, GPT2BPETokenizer, build_tokenizer
 
@@ -157,14 +157,8 @@ def dataset(gpt2, tmp_path_factory):
     """tools/preprocess_data.py (in this process) on a small jsonl: (prefix, documents)."""
     directory = tmp_path_factory.mktemp("data")
     documents = shakespeare(20, 2000) + [t for t in TEXTS if t]
-    corpus = directory / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents),
-                      encoding="utf-8")
-    preprocess = load_tool("preprocess_data")
-    assert preprocess.main(["--input", str(corpus), "--output-prefix", str(directory / "gpt2"),
-                            *GPT2_FLAGS, gpt2[1], "--merge-file", gpt2[2],
-                            "--append-eod"]) == 0
-    return str(directory / "gpt2_text_document"), documents
+    flags = [*GPT2_FLAGS, gpt2[1], "--merge-file", gpt2[2]]
+    return preprocess_texts(directory, "gpt2", documents, flags), documents
 
 
 def test_preprocess_data_writes_the_tokenizers_ids(gpt2, dataset):

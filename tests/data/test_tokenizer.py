@@ -85,6 +85,9 @@ def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="^--vocab-size: required"):
         build_tokenizer("NullTokenizer")
     with pytest.raises(ValueError, match="^--tokenizer-type: unknown"):
+        build_tokenizer("TikTokenizer", BUNDLED_MODEL)
+    with pytest.raises(ValueError, match="^--tokenizer-model: .*shakespeare_tok.model is not a "
+                                         "Hugging Face tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", BUNDLED_MODEL)
     with pytest.raises(FileNotFoundError, match="^--tokenizer-model: file not found"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))

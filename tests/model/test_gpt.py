@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megaulysses.model.attention import math_attention, sdpa_attention
 from megaulysses.model.gpt import GPT, build_model, count_parameters
-from megaulysses.model.layers import apply_rotary, rotary_angles
+from megaulysses.model.rope import apply_rotary, rotary_angles
 from helpers import llama_config
 
 FP32_RTOL = 1e-5  # fp32 reorderings (fused kernels vs einsum) stay well inside this
@@ -93,8 +93,13 @@ def test_attention_cores_match_reference(core, hq, hkv):
         close(a, b)
 
 
+def _angles(positions, d, base=10000.0):
+    cfg = llama_config(hidden_size=d, num_attention_heads=1, rotary_base=base)
+    return rotary_angles(positions, cfg)
+
+
 def _rotate(x, positions, base=10000.0):
-    return apply_rotary(x, *rotary_angles(positions, x.shape[-1], base))
+    return apply_rotary(x, *_angles(positions, x.shape[-1], base))
 
 
 def test_rotary_scores_depend_on_relative_position_only():
@@ -122,15 +127,15 @@ def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
 
 def test_rotary_angles_equal_a_table_of_every_position():
     """Angles computed from the positions are, bit for bit, the rows of a whole table
-    (fp64 outer product, then fp32), the way the tables used to be built."""
+    (fp32 outer product, as Megatron-LM and transformers build it)."""
     d, n, base = 64, 4096, 10000.0
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    table = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    table = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
     pos = torch.randint(0, n, (2, 300))
-    cos, sin = rotary_angles(pos, d, base)
+    cos, sin = _angles(pos, d, base)
     assert cos.shape == (2, 300, 1, d // 2) and cos.dtype == torch.float32
-    assert torch.equal(cos.squeeze(2), table.cos().float()[pos])
-    assert torch.equal(sin.squeeze(2), table.sin().float()[pos])
+    assert torch.equal(cos.squeeze(2), table.cos()[pos])
+    assert torch.equal(sin.squeeze(2), table.sin()[pos])
 
 
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])

@@ -43,13 +43,20 @@ GQA2 = ["--group-query-attention", "--num-query-groups", "2"]
 # backward (the block kernel's or the ring's working set is half of it), not the loss's.
 CORE_BOUND = ["--seq-length", "512", "--ffn-hidden-size", "16", "--vocab-size", "100"]
 FULL, SELECTIVE = ["--recompute-granularity", "full"], ["--recompute-activations"]
+# Qwen3-like (issue 23): per-head q/k norms, q/k/v biases, head dim 24 != 64/4, YaRN
+QWEN3 = GQA2 + ["--kv-channels", "24", "--qk-layernorm", "--add-qkv-bias", "--rope-type",
+                "yarn", "--rotary-scaling-factor", "4"]
 GRIDS = {  # world -> {name: flags}
     1: {"1 process, fp32, recompute none": [],
         "window 128 + documents, block kernel, core-bound": CORE_BOUND + [
             "--window-size", "128", "--reset-attention-mask", "--reset-position-ids"],
         "window 128, block kernel, GQA, bf16, core-bound": CORE_BOUND + GQA2 + [
-            "--window-size", "128", "--bf16"]},
+            "--window-size", "128", "--bf16"],
+        "qk-layernorm + qkv biases, LayerNorm, fp32, none": QWEN3 + [
+            "--normalization", "LayerNorm"]},
     2: {"sp2, ZeRO-0, none": SP2,
+        "tp2 + Megatron-SP, qk-layernorm + qkv biases, bf16, none": TP2 + QWEN3 + [
+            "--sequence-parallel", "--bf16"],
         "sp2, ZeRO-1, selective": SP2 + ["--zero-stage", "1"] + SELECTIVE,
         "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
         "tp2 + Megatron-SP, selective, MLP tiled 2":

@@ -7,9 +7,6 @@ rotary tables computed in fp64 vs fp32 and summation order). Imports of Hugging 
 models created with transformers must round-trip bit for bit, and load into the trainer.
 """
 
-import contextlib
-import importlib.util
-import io
 import json
 import os
 import shlex
@@ -22,7 +19,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from helpers import REPO, TINY, read_jsonl
+from helpers import REPO, TINY, load_tool, read_jsonl, run_main
 
 LOGITS_ATOL = 1e-4  # fp32 export vs our model, max abs difference over all logits
 TOKENIZER_MODEL = os.path.join(REPO, "data", "shakespeare_tok.model")
@@ -33,23 +30,12 @@ GPT2_STYLE = ["--num-query-groups", "4", "--position-embedding-type", "learned_a
               "--normalization", "LayerNorm", "--no-swiglu", "--add-bias-linear"]
 
 
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load_tool("convert_checkpoint")
+convert = load_tool("convert_checkpoint")
 
 
 def run_convert(*args) -> tuple:
     """main() in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = convert.main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
+    return run_main(convert, *args)
 
 
 def export(load, hf_dir, *flags) -> str:
@@ -235,7 +221,7 @@ def test_exported_tokenizer_encodes_like_sentencepiece(llama_ckpt, tmp_path):
 def test_unigram_tokenizer(tmp_path):
     """A unigram SentencePiece model (tools/train_tokenizer.py --model-type unigram)."""
     import sentencepiece as spm
-    train_tokenizer = _load_tool("train_tokenizer")
+    train_tokenizer = load_tool("train_tokenizer")
     corpus = tmp_path / "small.jsonl"
     with open(CORPUS) as src, open(corpus, "w") as dst:
         dst.writelines(next(src) for _ in range(30))
@@ -446,8 +432,9 @@ def test_existing_output_needs_force(llama_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("make,key,value,words", [
-    ("llama", "model_type", "mistral", ["model_type 'mistral' is not supported"]),
-    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}, ["rope_scaling"]),
+    ("llama", "model_type", "gemma", ["model_type 'gemma' is not supported"]),
+    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+     ["rope_parameters", "'dynamic' is not supported"]),
     ("llama", "hidden_act", "gelu", ["hidden_act", "silu"]),
     ("llama", "mlp_bias", True, ["mlp_bias", "attention_bias"]),
     ("gpt2", "activation_function", "relu", ["activation_function", "gelu_new"]),

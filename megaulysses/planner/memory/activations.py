@@ -6,6 +6,8 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
     attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
     attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
                  all-gathered whole one); under autocast each linear's e-byte copy, 3*e*T*h
+    qk norms     --qk-layernorm: as attn norm over rows of d, T*(hq + hkv) of them:
+                 4*T*(hq + hkv)*(d + 1) (LayerNorm: d + 2)
     core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
                  k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
                  (sample, core head) the sum over query blocks of 64 rows of rows*keys,
@@ -159,6 +161,8 @@ class _Activations:
 def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
     t = {"attn norm": _norm(s), "attn input": _linear_input(s, 3)}
+    if s.qk_norm:  # their fp32 x_hat and rstd (LayerNorm: input, mean, rstd) per head
+        t["qk norms"] = F32 * s.T * (s.hq + s.hkv) * (s.d + (2 if s.layernorm else 1))
     if selective:
         t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
     else:

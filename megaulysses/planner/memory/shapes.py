@@ -123,6 +123,7 @@ class _Shape:
     documents: bool = False  # the batch carries packed documents' ids
     fused: bool = False  # ring: every step on the fused kernel (plain causal mask)
     cp_rank: int = 0  # the ring rank planned
+    qk_norm: bool = False  # --qk-layernorm: per-head norms of q and k
 
     @property
     def ce_kept(self) -> bool:
@@ -185,6 +186,7 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, cp=cp, mega_sp=mega_sp,
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
+                  qk_norm=m.qk_layernorm,
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
                   documents=cfg.data.reset_attention_mask, fused=fused, cp_rank=cp_rank,

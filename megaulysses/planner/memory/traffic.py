@@ -13,7 +13,8 @@ inputs all-gathered (`megatron_sp_bytes_per_layer`), backward the same kinds swa
 (input gradients fp32), recomputation repeating the forward ones but the group's last MLP
 output (the checkpoint stops at fc2's input; with a tiled MLP it reruns whole, while each
 chunk's own recompute stops at fc2's input), a tiled MLP under Megatron-SP gathering its
-input again; the embedding's and the vocab-parallel loss's collectives; ZeRO over N =
+input again; the embedding's and the vocab-parallel loss's collectives, the q/k norms' gradients
+(--qk-layernorm); ZeRO over N =
 dp*cp*sp (tests/parallel/test_zero.py): stage 0 all-reduce of P, stage 1 reduce-scatter and
 all-gather of N padded pieces, stage 2 m reduce-scatters and one all-gather, stage 3 m
 reduce-scatters and m (root + 2 x blocks) all-gathers (under pp one each); pipeline:
@@ -79,7 +80,8 @@ def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwa
     swapped (input gradients fp32). `extra`: sublayer outputs reduced beyond two per layer
     forward (negative: recomputations that stop before the last one). Plus the
     vocab-parallel embedding's and loss's collectives, and under Megatron-SP the norm
-    weights' partial gradients (`norm_syncs` times). All over the tp group."""
+    weights' partial gradients, with --qk-layernorm the q/k norms' always (`norm_syncs`
+    times). All over the tp group."""
     m, layers, frac = rank.m, rank.layers, (s.tp - 1) / s.tp
     full = s.T * s.h  # elements of [b, s/sp, h]
     outputs = 2 * forwards + extra  # sublayer outputs reduced in forward
@@ -95,6 +97,8 @@ def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwa
         out[ar] += 2 * F32 * s.h * frac * norms * norm_syncs
     else:
         out[ar] += 2 * full * frac * (s.e * outputs + 2 * F32 * m * layers)
+    if s.qk_norm:  # q_norm and k_norm: replicated, partial gradients of this rank's heads
+        out[ar] += 2 * F32 * s.d * (2 if s.layernorm else 1) * frac * 2 * layers * norm_syncs
     if rank.first:
         out[ar] += 2 * F32 * full * frac * m  # the lookup's partial sums
         if s.mega_sp:
