@@ -90,7 +90,7 @@ def scripted(gpu) -> list[dict]:
                               par.ds_sequence_parallel_size, par.context_parallel_size)
             grid = Grid(gpus // (tp * pp * sp * cp), tp, pp, sp, cp, par.zero_stage,
                         mem.recompute_granularity or "none", mem.tiled_mlp_chunks,
-                        cfg.train.micro_batch_size)
+                        cfg.train.micro_batch_size, par.tp_sequence_parallel)
             c = evaluate(cfg, grid, gpu, RESERVE_GIB)
             rows.append(dict(script=script, name=name, gpus=gpus, seq=cfg.model.seq_length,
                              grid=str(grid), **_figures(c)))

@@ -40,7 +40,8 @@ GRID_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-s
               "--ds-sequence-parallel-size": "sp", "--ulysses-degree": "sp",
               "--context-parallel-size": "cp", "--zero-stage": "zero",
               "--recompute-granularity": "recompute", "--recompute-activations": "recompute",
-              "--tiled-mlp-chunks": "tiles", "--micro-batch-size": "micro_batch"}
+              "--tiled-mlp-chunks": "tiles", "--micro-batch-size": "micro_batch",
+              "--sequence-parallel": "megatron_sp"}
 
 
 class PlanError(Exception):
@@ -147,7 +148,8 @@ def _fixed(rest: list, cfg) -> dict:
     values = dict(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   sp=par.ds_sequence_parallel_size, cp=par.context_parallel_size,
                   zero=par.zero_stage, recompute=mem.recompute_granularity or "none",
-                  tiles=mem.tiled_mlp_chunks, micro_batch=cfg.train.micro_batch_size)
+                  tiles=mem.tiled_mlp_chunks, micro_batch=cfg.train.micro_batch_size,
+                  megatron_sp=par.tp_sequence_parallel)
     return {k: values[k] for k in given}
 
 
@@ -202,7 +204,7 @@ def report(result, base, top: int, reserve_gib: float) -> str:
     gpu, m = result.gpu, base.model
     lines = [f"plan: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
              f"heads, seq {m.seq_length}, global batch {base.train.global_batch_size}, vocab "
-             f"{m.padded_vocab_size} (padded), {'bf16' if base.train.bf16 else 'fp32'}; "
+             f"{m.padded_vocab_size} (padded), {_dtype(base.train)}; "
              f"{result.gpus} x {gpu.name} ({gpu.peak_tflops:g} TFLOP/s at efficiency "
              f"{gpu.efficiency:.2f}, {gpu.memory_gib:g} GiB less {reserve_gib:g} reserved, "
              f"NVLink {gpu.nvlink_gbps:g} / InfiniBand {gpu.ib_gbps:g} GB/s, "
@@ -218,6 +220,10 @@ def report(result, base, top: int, reserve_gib: float) -> str:
         lines += ["", "rejected:"]
         lines += [f"  {n} x {key}, e.g. {example}" for key, n, example in result.reasons()]
     return "\n".join(lines)
+
+
+def _dtype(train) -> str:
+    return "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
 
 
 def _table(cands: list) -> list:

@@ -32,6 +32,7 @@ def validate(cfg: Config) -> None:
              f"must be > 0, got {cfg.log.peak_tflops}")
     _validate_observability(cfg.log, cfg.train.save)
     _validate_pipeline(cfg.parallel)
+    _validate_optimizer_flags(cfg)
     backend = cfg.model.attention_backend
     # Needs no device, so --dry-run refuses it too (the trainer checks the rest: which
     # backend this device runs, for the mask).
@@ -147,6 +148,18 @@ def pipeline_schedule(par: ParallelConfig) -> str:
     if par.pipeline_schedule is not None:
         return par.pipeline_schedule
     return "interleaved-1f1b" if par.num_layers_per_virtual_pipeline_stage else "1f1b"
+
+
+def _validate_optimizer_flags(cfg: Config):
+    """Megatron-LM's own rules for its distributed optimizer's flags."""
+    par = cfg.parallel
+    require(not cfg.compat.overlap_param_gather or par.use_distributed_optimizer
+            or par.zero_stage > 0, "--overlap-param-gather",
+            "needs the distributed optimizer (--use-distributed-optimizer, or --zero-stage 1 "
+            "or more), as in Megatron-LM")
+    require(not (cfg.train.fp16 and par.grad_reduce_dtype == "bf16"), "--grad-reduce-in-bf16",
+            "not with --fp16 (--grad-reduce-dtype bf16 would reduce loss-scaled fp16 "
+            "gradients in another 16-bit format): use it with --bf16")
 
 
 def _validate_pipeline(par: ParallelConfig):

@@ -3,8 +3,9 @@
 A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
 (none, selective, full, full with the MLP tiled by 4) and the micro-batch. Each is checked
 by the trainer's own rules (`config.validate`, `config.resolve`): a grid the
-trainer would refuse is rejected with the trainer's message. Megatron-SP is on whenever
-tp > 1 (the same bytes as plain tensor parallelism, less memory); tp stays inside a node.
+trainer would refuse is rejected with the trainer's message. With tp > 1 Megatron-SP
+(--sequence-parallel) is searched both ways unless the flags hold it, and shown in the
+grid; tp stays inside a node.
 
 The search does not predict what it can rule out: for a fixed (tp, pp, sp, cp, micro-batch)
 it walks the recomputation levels from the lightest, and at each level the ZeRO stages from
@@ -26,7 +27,7 @@ from megaulysses.planner.time_model import Prediction, predict
 LEVELS = (("none", 1), ("selective", 1), ("full", 1), ("full", 4))  # (recompute, MLP tiles)
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
-FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch")
+FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Grid:
     recompute: str  # none | selective | full
     tiles: int  # --tiled-mlp-chunks
     micro_batch: int
+    megatron_sp: bool = False  # --sequence-parallel: Megatron's sequence parallelism in tp
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this grid."""
@@ -48,13 +50,13 @@ class Grid:
                "--ds-sequence-parallel-size", str(self.sp),
                "--context-parallel-size", str(self.cp), "--zero-stage", str(self.zero),
                "--micro-batch-size", str(self.micro_batch)]
-        out += ["--sequence-parallel"] if self.tp > 1 else []
+        out += ["--sequence-parallel"] if self.megatron_sp else []
         out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
         return out + (["--tiled-mlp-chunks", str(self.tiles)] if self.tiles > 1 else [])
 
     def __str__(self) -> str:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x sp {self.sp} x cp {self.cp}, "
-                f"ZeRO-{self.zero}, recompute {self.recompute}"
+                f"{'Megatron-SP, ' if self.megatron_sp else ''}ZeRO-{self.zero}, recompute {self.recompute}"
                 f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}, "
                 f"micro-batch {self.micro_batch}")
 
@@ -101,7 +103,7 @@ def configure(base: Config, grid: Grid) -> RunConfig:
     full = grid.recompute == "full"
     par = replace(base.parallel, tensor_model_parallel_size=grid.tp,
                   pipeline_model_parallel_size=grid.pp, ds_sequence_parallel_size=grid.sp,
-                  context_parallel_size=grid.cp, tp_sequence_parallel=grid.tp > 1,
+                  context_parallel_size=grid.cp, tp_sequence_parallel=grid.megatron_sp,
                   zero_stage=grid.zero)
     mem = replace(base.memory, tiled_mlp_chunks=grid.tiles,
                   recompute_granularity=None if grid.recompute == "none" else grid.recompute,
@@ -140,10 +142,12 @@ def search(base: Config, gpus: int, gpu: GPU, fixed: Optional[dict] = None,
     ranked, rejected, dominated = [], [], 0
     for shape in _shapes(gpus, base, fixed):
         for mb in _micro_batches(base, shape[0], fixed):
-            fits, tried, skipped = _walk(base, shape, mb, gpu, reserve_gib, fixed)
-            ranked += fits
-            rejected += tried
-            dominated += skipped
+            for megatron_sp in _megatron_sp(shape[1], fixed):
+                fits, tried, skipped = _walk(base, shape, mb, megatron_sp, gpu, reserve_gib,
+                                             fixed)
+                ranked += fits
+                rejected += tried
+                dominated += skipped
     ranked.sort(key=lambda c: c.prediction.time_s)
     return SearchResult(ranked, rejected, dominated, gpus, gpu)
 
@@ -161,6 +165,14 @@ def _shapes(gpus: int, base: Config, fixed: dict) -> Iterator[tuple]:
                         yield gpus // (tp * pp * sp * cp), tp, pp, sp, cp
 
 
+def _megatron_sp(tp: int, fixed: dict) -> list[bool]:
+    """Megatron-SP off and on under tp > 1 (less memory, the same bytes: it may still lose
+    where the plan's activations do not bind), or as the flags hold it."""
+    if tp == 1:
+        return [False]
+    return [fixed["megatron_sp"]] if "megatron_sp" in fixed else [False, True]
+
+
 def _micro_batches(base: Config, dp: int, fixed: dict) -> list[int]:
     if "micro_batch" in fixed:
         return [fixed["micro_batch"]]
@@ -168,8 +180,8 @@ def _micro_batches(base: Config, dp: int, fixed: dict) -> list[int]:
     return [b for b in MICRO_BATCHES if per_dp % b == 0] or [1]
 
 
-def _walk(base: Config, shape: tuple, mb: int, gpu: GPU, reserve_gib: float,
-          fixed: dict) -> tuple[list, list, int]:
+def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
+          reserve_gib: float, fixed: dict) -> tuple[list, list, int]:
     """(fitting, rejected, dominated) of one shape and micro-batch over the recomputation
     levels and ZeRO stages (the module doc's order)."""
     dp, tp, pp, sp, cp = shape
@@ -183,8 +195,8 @@ def _walk(base: Config, shape: tuple, mb: int, gpu: GPU, reserve_gib: float,
     fits, rejected, limit, tried = [], [], len(stages), 0
     for recompute, tiles in levels:
         for i, zero in enumerate(stages[:limit]):
-            c = evaluate(base, Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb), gpu,
-                         reserve_gib)
+            grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp)
+            c = evaluate(base, grid, gpu, reserve_gib)
             tried += 1
             if c.kind == "fits":
                 fits.append(c)

@@ -191,7 +191,8 @@ def test_planner_predicts_the_measured_grids(measured):
                               par.ds_sequence_parallel_size, par.context_parallel_size)
             grid = Grid(world // (tp * pp * sp * cp), tp, pp, sp, cp, par.zero_stage,
                         cfg.memory.recompute_granularity or "none",
-                        cfg.memory.tiled_mlp_chunks, cfg.train.micro_batch_size)
+                        cfg.memory.tiled_mlp_chunks, cfg.train.micro_batch_size,
+                        par.tp_sequence_parallel)
             c = evaluate(cfg, grid, gpu_spec("A100-80GB"), 0.0, device_type="cpu")
             assert c.kind == "fits", (name, c.reason)
             peak = max(meas for (w, _, n), (meas, *_) in measured.items()

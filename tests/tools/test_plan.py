@@ -180,3 +180,54 @@ def test_calibration_from_a_device_check_json(tmp_path):
     rc, _, stderr = run_plan(["--gpus", "8", "--gpu", "A100-80GB", "--calibration",
                               str(path), *MODEL])
     assert rc == 2 and "measured on NVIDIA H200, not A100-80GB" in stderr
+
+
+def test_megatron_sp_is_searched_both_ways_and_shown():
+    """Under tp > 1 the search tries Megatron-SP off and on and says which in the grid;
+    --sequence-parallel among the flags holds it on."""
+    from megaulysses.hardware import gpu_spec
+    from megaulysses.planner.search import search
+    fixed = {"tp": 2, "pp": 1, "cp": 1, "zero": 1, "tiles": 1}
+    result = search(base_config(), 8, gpu_spec("A100-80GB"), fixed)
+    seen = {c.grid.megatron_sp for c in result.ranked + result.rejected if c.grid.tp == 2}
+    assert seen == {False, True}
+    for c in result.ranked:
+        on = c.grid.megatron_sp
+        assert ("Megatron-SP" in str(c.grid)) == on
+        assert ("--sequence-parallel" in c.grid.flags()) == on
+    held = search(base_config(), 8, gpu_spec("A100-80GB"), {**fixed, "megatron_sp": True})
+    assert held.ranked and all(c.grid.megatron_sp for c in held.ranked)
+
+
+# Grids given in full: the plan's GiB/GPU and --dry-run's peak for the same flags.
+AGREE = {"tp2, Megatron-SP, fp16": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--fp16", "--ds-sequence-parallel-size", "4"],
+         "tp2 without SP": ["--tensor-model-parallel-size", "2",
+                            "--ds-sequence-parallel-size", "4"],
+         "pp2 x sp2, ZeRO-3": ["--pipeline-model-parallel-size", "2",
+                               "--ds-sequence-parallel-size", "2", "--zero-stage", "3"]}
+
+
+@pytest.mark.parametrize("name", sorted(AGREE))
+def test_plan_and_dry_run_agree(name):
+    import re
+    import pretrain_gpt
+    from helpers import load_tool, run_main
+    grid = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--ds-sequence-parallel-size", "1", "--context-parallel-size", "1",
+            "--zero-stage", "1", "--recompute-granularity", "full", "--tiled-mlp-chunks", "1",
+            "--micro-batch-size", "1"]
+    flags = [f for f in MODEL if f != "--bf16"] + grid + AGREE[name]  # later flags win
+    if "--fp16" not in flags:
+        flags.append("--bf16")
+    rc, out, err = run_main(load_tool("plan"), "--gpus", "8", "--gpu", "H100", *flags)
+    assert rc == 0, err
+    assert ("fp16" if "--fp16" in flags else "bf16") in out.splitlines()[0]
+    row = next(line for line in out.splitlines() if line.startswith("1  "))
+    assert ("Megatron-SP" in row) == ("--sequence-parallel" in flags)
+    planned = float(row.split("micro-batch 1")[1].split()[0])
+    rc, out, err = run_main(pretrain_gpt, *flags, "--vocab-size", "50257", "--tokenizer-type",
+                            "NullTokenizer", "--mock-data", "--dry-run",
+                            "--dry-run-world-size", "8", "--dry-run-gpu", "H100")
+    assert rc == 0, err
+    assert float(re.search(r"fits H100: peak ([\d.]+) GiB", out).group(1)) == planned
