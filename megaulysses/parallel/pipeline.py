@@ -19,6 +19,17 @@ same initial value). After backward the gradients of the two copies are summed b
 the first and the last stage (`Comm.pair_sum`: both get a + b, bitwise equal), so the
 copies stay identical; the norm counts the first stage's copy only.
 
+Receive buffers: torch's stage allocates an activation and a gradient receive buffer per
+micro-batch of the step when a schedule first runs, and keeps them all (1536 micro-batches:
+1536 of each, where 1F1B has at most pp in flight). `_Stage` allocates a micro-batch's
+buffer when its receive is posted and lets it go once the micro-batch's backward is done
+(in evaluation: its forward), so a rank holds only the buffers of the micro-batches in
+flight. The received activation is the stage input kept for backward anyway; the last
+stage detaches each loss after its backward, since the schedule keeps the losses (and
+through their graphs the stage inputs) until the step ends. Not bounded yet: torch's
+multi-stage schedules (interleaved-1f1b, zero-bubble) keep every send's work, and the
+tensor it sent, until the step ends.
+
 Loss: the last stage's loss function sums each micro-batch's token losses under the loss
 mask and scales the sum by that micro-batch's factor (loss scale x its weight,
 training/loss_weights.py), the same contract as without pipeline; the schedule does not
@@ -35,6 +46,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.stage import _RecvInfo
 
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP, PP, SP, TP
@@ -96,20 +109,73 @@ class StageModule(nn.Module):
         return x
 
 
+def _unbuffered(infos: tuple) -> tuple:
+    """Copies of a micro-batch's receive infos without their buffers."""
+    return tuple(_RecvInfo(i.input_name, i.source, None, i.tensor_meta,
+                           is_root_arg=i.is_root_arg) for i in infos)
+
+
+def _allocate(infos: tuple, device) -> None:
+    """Give each receive of a micro-batch a fresh buffer (its shape from the metadata)."""
+    for info in infos:
+        if not info.is_root_arg and info.tensor_meta is not None and info.buffer is None:
+            info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+
+def _release(infos: tuple) -> None:
+    """Drop the receive infos' references to their buffers: whoever still needs one
+    (autograd, zero-bubble's pending weight pass) holds its own."""
+    for info in infos:
+        if not info.is_root_arg:
+            info.buffer = None
+
+
+def _cut_graph(losses) -> None:
+    """Detach a micro-batch's loss once its backward is done. The schedule keeps every
+    loss until the step ends, and through its graph the nodes that hold the stage's
+    input: the received activation buffer, one per micro-batch."""
+    for loss in losses:
+        if isinstance(loss, torch.Tensor) and not loss._is_view():
+            loss.detach_()
+
+
 class _Stage(PipelineStage):
     """PipelineStage whose sends are counted in the Comm's byte ledger and whose forward
     and backward chunks are timed in its timers (when on), with a hook that runs before
     the last micro-batch's backward (to start the dp x sp gradient reduction while that
-    backward runs)."""
+    backward runs), and whose receive buffers exist only while their micro-batch is in
+    flight (module doc)."""
 
     def __init__(self, *args, comm: Comm, **kwargs):
         super().__init__(*args, **kwargs)
         self.comm = comm
         self.before_last_backward = None
 
+    def _setup_forward_recv_info(self, num_microbatches, has_backward):
+        # torch allocates a buffer per micro-batch here: let it make micro-batch 0's infos
+        # (one buffer, dropped at once) and give every micro-batch bufferless copies.
+        super()._setup_forward_recv_info(1, has_backward)
+        template = self.args_recv_info[0]
+        for i in range(num_microbatches):
+            self.args_recv_info[i] = _unbuffered(template)
+
+    def _create_grad_recv_info(self, act_send_info):
+        return _unbuffered(super()._create_grad_recv_info(act_send_info))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        _allocate(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if self.has_backward and not self.is_last:
+            _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self.comm.count_p2p(ops, PP)
+        if not self.has_backward:  # evaluation: the ops hold the output until it is sent
+            self.fwd_cache.pop(fwd_chunk_id, None)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id):
@@ -117,9 +183,17 @@ class _Stage(PipelineStage):
         self.comm.count_p2p(ops, PP)
         return ops
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.comm.stats.timers("forward", self.device.type):
-            return super().forward_one_chunk(*args, **kwargs)
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.has_backward:
+            # evaluation: no backward will pop the cached input and output; the input is
+            # done with, the output waits for its send (get_fwd_send_ops), the last
+            # stage's for none (single-stage schedules still ask it for send ops)
+            _release(self.args_recv_info[fwd_chunk_id])
+            sent, _ = self.fwd_cache[fwd_chunk_id]
+            self.fwd_cache[fwd_chunk_id] = (() if self.is_last else sent, [])
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
@@ -129,13 +203,22 @@ class _Stage(PipelineStage):
                 and self.before_last_backward is not None):
             self.before_last_backward()
         with self.comm.stats.timers("backward", self.device.type):
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss,
-                                              full_backward=full_backward,
-                                              last_backward=last_backward)
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+        if not self.has_backward:
+            return
+        _release(self.args_recv_info[bwd_chunk_id])  # the micro-batch's receives are
+        _release(self.grad_recv_info.get(bwd_chunk_id, ()))  # consumed
+        if full_backward and loss is not None:
+            _cut_graph((loss,))
 
-    def backward_weight_one_chunk(self, *args, **kwargs):  # zero-bubble's weight gradients
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        # zero-bubble's weight gradients; its input-gradient pass kept the loss for this
+        state = self.backward_state.get(bwd_chunk_id)
         with self.comm.stats.timers("backward", self.device.type):
-            return super().backward_weight_one_chunk(*args, **kwargs)
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.is_last and state is not None:
+            _cut_graph(state[2])  # the stage output: the loss on the last stage
 
 
 def stage_modules(model: GPT, layout: list[list[int]],
@@ -189,8 +272,9 @@ class Pipeline:
     def _schedule_for(self, n_micro: int):
         """The schedule of a step of `n_micro` micro-batches, built at its first use: a
         --rampup-batch-size run steps with several counts (evaluation with the full one).
-        The schedules share the stages; each prepares their buffers for its count when
-        first run, and the counts a later one uses were prepared alike."""
+        The schedules share the stages; each prepares their receive infos (buffers come
+        per micro-batch in flight) for its count when first run, and the counts a later
+        one uses were prepared alike."""
         if n_micro not in self._schedules:
             stages = self.stages[0] if self.schedule_name in SINGLE_STAGE else self.stages
             self._schedules[n_micro] = SCHEDULES[self.schedule_name](
@@ -221,7 +305,7 @@ class Pipeline:
                                                   cat["tokens"].device.type):
                 schedule.step(cat["tokens"], return_outputs=False, **inputs)
         else:
-            schedule.eval(cat["tokens"], **inputs)
+            schedule.eval(cat["tokens"], return_outputs=False, **inputs)  # losses via _loss
         total = torch.zeros(())
         for micro in self._sums:  # in micro-batch order, as the one-process loop adds them
             total += micro.float().cpu()

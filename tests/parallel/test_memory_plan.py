@@ -3,8 +3,9 @@
 Measured: per rank, the real Trainer on real gloo ranks runs one step (AdamW creates its
 states), then the second step inside `LiveBytes`: the peak live tensor bytes of that step
 plus what the rank held before it (parameters and buffers, optimizer states, its
-micro-batches, and under pipeline parallelism torch's receive buffers, allocated at the
-first step and reused) -- benchmarks/fake_rank.py's split. Predicted: `plan_memory` from
+micro-batches, and under pipeline parallelism any receive buffers held between steps:
+none, parallel/pipeline.py allocates them while their micro-batch is in flight, inside
+the step) -- benchmarks/fake_rank.py's split. Predicted: `plan_memory` from
 the config alone. TOLERANCE: |predicted - measured| <= 10% of measured, on every rank of
 every grid (issue 12, item 5). The communication bytes of the measured step (comm.stats)
 must match the plan's `comm_by_group` per (group, kind): the planner (tools/plan.py)
@@ -130,7 +131,8 @@ def measured_peak(trainer) -> tuple[int, dict]:
 
 
 def _pipeline_buffers(pipeline) -> list:
-    """torch.distributed.pipelining's receive buffers (one per micro-batch and direction)."""
+    """The pipeline stages' receive buffers held between steps (torch's own stage keeps
+    one per micro-batch and direction; parallel/pipeline.py's none)."""
     if pipeline is None:
         return []
     infos = [i for stage in pipeline.stages

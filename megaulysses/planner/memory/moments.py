@@ -43,17 +43,32 @@ BATCH_BYTES_PER_TOKEN = 3 * 8 + 4  # tokens, labels, positions (int64), loss mas
 DOCUMENT_ID_BYTES = 4  # the batch's documents: int32 ids of the whole sample, every rank
 
 
-def _held_outside_model(s: _Shape, rank: _RankLayout, pp: int) -> int:
+def _held_outside_model(s: _Shape, rank: _RankLayout, pp: int, full_recompute: bool) -> int:
     """The step's micro-batches (concatenated once more under pp) and the pipeline's
-    receive buffers: activations into every stage but the first, gradients into every
-    stage but the last, one per micro-batch each."""
+    buffers in flight (`_p2p_buffers`)."""
     per_micro = s.T * BATCH_BYTES_PER_TOKEN + (
         DOCUMENT_ID_BYTES * s.b * s.S if s.documents else 0)  # the whole samples' ids
     batches = rank.m * per_micro * (2 if pp > 1 else 1)
     if pp == 1:
         return batches
-    receives = 2 * rank.chunks - rank.first - rank.last
-    return batches + receives * rank.m * F32 * s.Tr * s.h
+    return batches + _p2p_buffers(rank, full_recompute) * F32 * s.Tr * s.h
+
+
+def _p2p_buffers(rank: _RankLayout, full_recompute: bool) -> int:
+    """Receive (and sent) buffers, 4*T'*h each, held at a backward. parallel/pipeline.py's
+    stages allocate one when its micro-batch's receive is posted and drop it after that
+    micro-batch's backward (torch's own keep one per micro-batch and direction): an
+    activation per model chunk in flight on a stage that receives (the chunk's input,
+    kept for backward; under full recomputation it is the first checkpoint's input,
+    counted with the activations), the gradient of the chunk whose backward runs; and
+    on a stage that receives, the input gradient it sent last, which the schedule's send
+    ops reference until the next backward's (measured). Not counted: interleaved-1f1b
+    and zero-bubble (torch's runtime schedule) keep every send's work, and its tensor,
+    until the step ends: a rank's sent activations and gradients of all micro-batches."""
+    receiving = rank.chunks - rank.first  # chunks whose stage is not the first
+    acts = 0 if full_recompute else -(-rank.in_flight * receiving // rank.chunks)
+    grads = 1 if rank.chunks > rank.last else 0  # some chunk's stage is not the last
+    return acts + grads + (1 if receiving else 0)
 
 
 def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> dict:

@@ -54,7 +54,8 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
     states = _States(_stage_params(cfg, dims, rank), rank.zero_stage, _zero_ranks(dims),
                      dims.pp > 1, s, cfg)
     acts = _Activations(s, cfg, rank)
-    moments = _moments(states, acts, rank, _held_outside_model(s, rank, dims.pp))
+    other = _held_outside_model(s, rank, dims.pp, acts.recompute == "full")
+    moments = _moments(states, acts, rank, other)
     name = max(moments, key=lambda k: sum(moments[k].values()))
     peak = moments[name]
     by_group = comm_bytes(cfg, dims, s, states, acts, rank)

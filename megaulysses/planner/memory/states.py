@@ -19,10 +19,10 @@ along dim 0 into ceil(rows/N)-row pieces.
                 one's gradients, padded pieces and their concatenation; at the step the
                 reduced rows and the all-gather of the updated rows (N pieces); FSDP: a
                 block's reduce-scatter input (padded, reduce dtype) beside its gradients
-    pipeline    torch's receive buffers, one per micro-batch and direction (4*T'*h each);
-                the step's micro-batches (28 bytes a token; with packed documents also
-                their int32 ids of the whole samples, 4*b*S, on every rank), twice under
-                pp (concatenated)
+    pipeline    the receive buffers of the micro-batches in flight (4*T'*h each;
+                moments.py's `_p2p_buffers`); the step's micro-batches (28 bytes a
+                token; with packed documents also their int32 ids of the whole samples,
+                4*b*S, on every rank), twice under pp (concatenated)
 """
 
 from __future__ import annotations
