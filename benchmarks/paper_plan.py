@@ -46,7 +46,7 @@ MODELS = {"1.2B": (24, 2048, 16), "7B": (32, 4096, 32), "30B": (64, 6144, 64)}
 SEQS = [2 ** k for k in range(13, 23)]  # 8K .. 4M
 PAPER_LONGEST = 2 ** 18  # the paper's Figs. 4-7 run 8K-256K
 ULYSSES = {"tp": 1, "pp": 1, "cp": 1, "zero": 3}
-MEGATRON_SP = {"tp": 8, "pp": 1, "sp": 1, "cp": 1, "zero": 1}
+MEGATRON_SP = {"tp": 8, "pp": 1, "sp": 1, "cp": 1, "zero": 1, "megatron_sp": True}
 
 
 def script_configs(script: str) -> list[tuple[str, int, list]]:
