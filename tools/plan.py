@@ -23,6 +23,7 @@ Bad input (unknown GPU, an impossible grid, a model that fits nowhere): one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -165,7 +166,8 @@ def _check_found(result, args, gpu, fixed: dict):
     too_big = [c for c in result.rejected if c.kind == "memory"]
     if not too_big:
         _, _, example = result.reasons()[0]
-        if len(result.rejected) == 1:
+        # one grid given in full, tried with Megatron-SP off and on: still one grid
+        if len({dataclasses.replace(c.grid, megatron_sp=False) for c in result.rejected}) == 1:
             raise PlanError(f"the grid is not valid on {where}: {example}")
         raise PlanError(f"no grid of {where} is valid ({len(result.rejected)} tried); e.g. "
                         f"{example}")
