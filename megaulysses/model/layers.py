@@ -29,10 +29,32 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
     already in the compute dtype (the rounding is then a no-op), so they compute exactly
     what stages 0/1 compute, and hand on fp32 activations as they do.
     """
+    sink = getattr(w, "grad_sink", None)
+    if sink is not None and w.requires_grad and torch.is_grad_enabled():
+        return _ToSink.apply(w, sink)
     device = w.device.type
     if torch.is_autocast_enabled(device):
         return w.to(torch.get_autocast_dtype(device))
     return w
+
+
+class _ToSink(torch.autograd.Function):
+    """`w` itself, whose gradient from this use goes to `sink(w, grad)`, not into `w.grad`.
+
+    For a 16-bit weight used twice in one graph (the tied word embedding): autograd would
+    sum the two uses' gradients in 16 bits before any hook sees them; an optimizer that
+    accumulates gradients in fp32 (parallel/dist_opt.py) sets `w.grad_sink` and takes this
+    use's gradient itself, as Megatron-LM's fused weight-gradient accumulation does."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, sink) -> torch.Tensor:
+        ctx.w, ctx.sink = w, sink
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink(ctx.w, grad)
+        return None, None
 
 
 def _zero_centered(norm: nn.Module, zero_centered: bool) -> None:

@@ -43,6 +43,8 @@ from megaulysses.config import RunConfig
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dist_opt import DistributedOptimizer
+from megaulysses.parallel.grad_reduce import BUCKET_BYTES
 from megaulysses.parallel.dims import DP_SP, PP, TP
 from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
 from megaulysses.parallel.recompute import apply_recompute
@@ -95,8 +97,9 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     if layout is not None:
         pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
                             _micro_shape(cfg), device, stages)
+    dist_opt = dtype if par.use_distributed_optimizer and zero_stage <= 1 else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
-                       param_groups(model), make_optimizer)
+                       param_groups(model), make_optimizer, dist_opt)
     return Parallelized(model, pipeline, zero, zero_stage)
 
 
@@ -137,14 +140,24 @@ def _micro_shape(cfg: RunConfig) -> tuple:
 
 
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
-                groups: list[dict], make_optimizer) -> Zero:
+                groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype]) -> Zero:
+    """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
+    in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage)."""
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
     align = None
     if comm.size(TP) > 1:
         tp_mesh = comm.mesh(TP)
         align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
+    own = None
+    if dist_opt is not None and dist_opt != torch.float32:
+        own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype, BUCKET_BYTES,
+                                   make_optimizer, align)
+        if pipeline is None and model.head.output is None:  # tied: two uses in one graph
+            model.embed.word.weight.grad_sink = own.take
     zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,
-                roots if stage >= 2 else [], align)
+                roots if stage >= 2 else [], align, optimizer=own)
     if pipeline is not None:
         pipeline.overlap_grad_reduction(zero.before_last_backward)
+        if own is not None:
+            pipeline.after_weight_grads(own.flush)
     return zero

@@ -150,6 +150,7 @@ class _Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.comm = comm
         self.before_last_backward = None
+        self.after_weight_grads = None  # takes the weight gradients a W pass assigned
 
     def _setup_forward_recv_info(self, num_microbatches, has_backward):
         # torch allocates a buffer per micro-batch here: let it make micro-batch 0's infos
@@ -217,6 +218,8 @@ class _Stage(PipelineStage):
         state = self.backward_state.get(bwd_chunk_id)
         with self.comm.stats.timers("backward", self.device.type):
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.after_weight_grads is not None:
+            self.after_weight_grads()
         if self.is_last and state is not None:
             _cut_graph(state[2])  # the stage output: the loss on the last stage
 
@@ -330,6 +333,13 @@ class Pipeline:
         and the reduction runs after the schedule instead."""
         if self.schedule_name in SINGLE_STAGE:
             self.stages[0].before_last_backward = arm
+
+    def after_weight_grads(self, take: Callable[[], None]) -> None:
+        """Call `take` after every zero-bubble weight pass: torch assigns those gradients
+        (no autograd hook sees them), so an optimizer that accumulates them elsewhere
+        (dist_opt) takes each micro-batch's at once."""
+        for stage in self.stages:
+            stage.after_weight_grads = take
 
     def sync_tied_grads(self, grad_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the tied embedding's gradients of the first and last stage (see module doc).

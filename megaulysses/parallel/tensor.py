@@ -122,10 +122,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h], whole
-        w = self.weight.to_local()  # [V/tp, h]: rows [start, start + V/tp)
+        w = compute_weight(self.weight).to_local()  # [V/tp, h]: rows [start, start + V/tp)
         local = ids - self.mesh.get_local_rank() * w.shape[0]
         outside = (local < 0) | (local >= w.shape[0])  # [b, s]
-        part = F.embedding(local.masked_fill(outside, 0), compute_weight(w)).float()  # [b, s, h]
+        part = F.embedding(local.masked_fill(outside, 0), w).float()  # [b, s, h]
         part = part.masked_fill_(outside.unsqueeze(-1), 0.0)  # this rank's share of the sum
         return DTensor.from_local(part, self.mesh, [Partial()]).redistribute(
             self.mesh, [Replicate()]).to_local()

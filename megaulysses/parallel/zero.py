@@ -251,18 +251,20 @@ class Zero:
     def __init__(self, model: nn.Module, comm: Comm, stage: int, groups: list[dict],
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
                  reduce_dtype: torch.dtype, fsdp_roots: list,
-                 align: Optional[Callable[[torch.Tensor], None]] = None):
+                 align: Optional[Callable[[torch.Tensor], None]] = None,
+                 optimizer: Optional[ShardedAdamW] = None):
+        """`optimizer`: one that reduces its own gradients (dist_opt.DistributedOptimizer)."""
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
-        self.reducer = None
+        self.reducer, self.own = None, optimizer  # `own`: it reduces, holds and steps
         n = comm.size(DIM)
-        if stage <= 1 and n > 1:
+        if stage <= 1 and n > 1 and optimizer is None:
             shards = ({p: RowShard.of(_local(p), n, comm.rank(DIM)) for p in self.params}
                       if stage == 1 else None)
             self.reducer = GradReducer(list(model.parameters()), comm, DIM, shards=shards,
                                        reduce_dtype=reduce_dtype, align=align)
-        self.optimizer = (ShardedAdamW(groups, comm, self.reducer, make_adamw) if stage == 1
-                          else make_adamw(groups))
+        self.optimizer = optimizer or (ShardedAdamW(groups, comm, self.reducer, make_adamw)
+                                       if stage == 1 else make_adamw(groups))
         self._fsdp = [m for root in fsdp_roots for m in root.modules()
                       if isinstance(m, FSDPModule)]
         self.peak: dict = {}  # most bytes held at the moments observed since pop_peak()
@@ -280,22 +282,23 @@ class Zero:
             self.before_last_backward()
 
     def before_last_backward(self) -> None:
-        if self.reducer is not None:
-            self.reducer.arm()
+        if self.reducer is not None or self.own is not None:
+            (self.reducer or self.own).arm()
         self.observe()  # parameters are gathered now (stage 2; stage 3: the last blocks)
 
     def finish_grads(self) -> None:
         """After the last backward: gradients reduced over dp x sp and in their
         parameters' tensor-parallel layout (FSDP did both already on stages 2 and 3)."""
-        if self.reducer is not None:
-            self.reducer.finish()
+        if self.reducer is not None or self.own is not None:
+            (self.reducer or self.own).finish()
+            self.observe()  # the reduced gradients exist beside the buffers now
         elif self.stage <= 1 and self.align is not None:
             for p in self.params:
                 if p.grad is not None:
                     self.align(p)
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor:
-        if self.stage == 1 and self.reducer is not None:
+        if self.own is not None or (self.stage == 1 and self.reducer is not None):
             return self.optimizer.grad_of(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -313,12 +316,15 @@ class Zero:
         FSDP's shards (stages 2, 3) add up over dp x sp, tensor-parallel shards over tp;
         stages 0 and 1 hold whole (replicated) parameters."""
         skip = {id(p) for p in excluded}
-        sharded = (DIM,) if self.stage >= 2 and self.comm.size(DIM) > 1 else ()
-        return [GradPart(_local(p).detach(), sharded + ((TP,) if _tp_sharded(p) else ()),
+        own = self.own  # its fp32 main weights, this rank's rows, are the parameters
+        sharded = (DIM,) if (self.stage >= 2 or own) and self.comm.size(DIM) > 1 else ()
+        return [GradPart(own.views[p] if own else _local(p).detach(), sharded + ((TP,) if _tp_sharded(p) else ()),
                          id(p) not in skip)
                 for p in self.params]
 
     def _has_grad(self, p) -> bool:
+        if self.own is not None:
+            return self.own.has_grad(p)
         if self.stage == 1 and self.reducer is not None:
             return p in self.reducer.shard_grads
         return p.grad is not None
@@ -344,6 +350,8 @@ class Zero:
         reduced rows; FSDP: also unsharded gradients being accumulated), `optim`."""
         seen: set = set()
         params = sum(_storage_bytes(p, seen) for p in self.params)
+        if self.own is not None:
+            return {"params": params, **self.own.held_bytes(seen)}
         grads = sum(_storage_bytes(p.grad, seen) for p in self.params)
         for fp in self._fsdp_params():
             params += sum(_storage_bytes(t, seen) for t in fp.all_gather_outputs)

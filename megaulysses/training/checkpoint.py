@@ -132,12 +132,15 @@ def _fsync_dir(path: str):
 
 # -- saving -------------------------------------------------------------------------------
 
-def _state_dicts(model, optimizer) -> tuple[dict, Optional[dict]]:
+def _state_dicts(model, optimizer, with_optim: bool = True) -> tuple[dict, Optional[dict]]:
     """Model and optimizer state, keyed by parameter name, as DTensors where sharded. The
-    ZeRO-1 optimizer gives its own (same keys and global shapes as torch's). No optimizer
-    (None): no optimizer state."""
+    ZeRO-1 optimizer gives its own (same keys and global shapes as torch's); under the
+    distributed optimizer the model's weights are its fp32 main weights, not the 16-bit
+    ones the forward uses. Without the optimizer (`with_optim` False): no optimizer state."""
     model_sd = get_model_state_dict(model, options=OPTIONS)
-    if optimizer is None:
+    if hasattr(optimizer, "model_state_dict"):
+        model_sd.update(optimizer.model_state_dict(_names(model)))
+    if optimizer is None or not with_optim:
         return model_sd, None
     if hasattr(optimizer, "dcp_state_dict"):
         return model_sd, optimizer.dcp_state_dict(_names(model))
@@ -272,10 +275,13 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
     contents = meta.get("contents", ["model", "optim", "rng"])
     _check_contents(path, meta, contents, load_optim, load_rng)
     with_optim = load_optim and "optim" in contents
-    model_sd, optim_sd = _state_dicts(model, optimizer if with_optim else None)
+    model_sd, optim_sd = _state_dicts(model, optimizer, with_optim)
     state_dict = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
     rng = _load_dcp(path, state_dict, rank if load_rng and "rng" in contents else None)
-    set_model_state_dict(model, state_dict["model"], options=OPTIONS)
+    if hasattr(optimizer, "load_model_state_dict"):  # its main weights, then the 16-bit
+        optimizer.load_model_state_dict(state_dict["model"], _names(model))
+    else:
+        set_model_state_dict(model, state_dict["model"], options=OPTIONS)
     if with_optim and hasattr(optimizer, "load_dcp_state_dict"):
         optimizer.load_dcp_state_dict(state_dict["optim"], _names(model))
     elif with_optim:

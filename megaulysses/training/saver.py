@@ -134,7 +134,7 @@ class Saver:
             rng = os.path.join(tmp, f"rng_rank{self.rank:05d}.pt")
             self._agree(self._attempt(lambda: torch.save(_rng_state(), rng), it, tmp), tmp)
         with_optim = "optim" in self.contents
-        model_sd, optim_sd = _state_dicts(model, optimizer if with_optim else None)
+        model_sd, optim_sd = _state_dicts(model, optimizer, with_optim)
         meta = dict(meta, iteration=it, contents=list(self.contents),
                     consumed_train_samples=state.consumed_train_samples,
                     skipped_iterations=state.skipped_iterations, loss_scaler=state.loss_scaler)

@@ -1,0 +1,254 @@
+"""Megatron-LM's distributed optimizer (--use-distributed-optimizer under --bf16/--fp16).
+
+What each rank holds, per parameter of its model (P = dp x sp ranks, ZeRO's group):
+
+    model weights      16-bit, whole (the tensors the forward uses: no autocast copies)   2
+    gradient buffer    fp32, whole (16-bit with --grad-reduce-in-bf16), bucketed          4 / 2
+    main weights       fp32, this rank's rows                                             4/P
+    Adam moments       fp32, this rank's rows                                             8/P
+    main gradients     the buffer's own rows (fp32), or their fp32 copy (16-bit buffer)   0 / 4/P
+
+that is Megatron-LM's 6 + 12/P bytes per parameter, or 4 + 16/P with 16-bit gradients.
+
+A step: each micro-batch's 16-bit gradient is added into the buffer as autograd produces
+it (a post-accumulate hook; `.grad` is then dropped), so gradients accumulate in the
+buffer's dtype, never in 16 bits. On the step's last backward each bucket is
+reduce-scattered in place as soon as its parameters are done; this rank's rows of the sum
+are its main gradients. AdamW steps the main weights; their 16-bit roundings are
+all-gathered back into every rank's model weights. The gather lands in the gradient
+buffer, free between the optimizer step and the next backward, so no step allocates more
+than the table above.
+
+The buffer of a bucket is laid out by rank, `[P, section]`: row r holds rank r's rows
+(`RowShard`) of every parameter of the bucket, zero-padded. Rows are the layout of every
+ZeRO stage here, so the optimizer states (and the main weights, which checkpoints save as
+the model's weights) are the same DTensors ZeRO-1 saves: a checkpoint written under either
+loads under the other and under every other stage and grid.
+
+Numerics: the forward sees the same 16-bit weights as ZeRO-1 under autocast (the rounding
+of the same fp32 master), and the fp32 buffer sums the same 16-bit gradients in the same
+order, so the two train bit-identically (tested); with a 16-bit buffer the micro-batches'
+gradients are summed in 16 bits, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import DP_SP
+from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets
+from megaulysses.parallel.zero import ShardedAdamW, _storage_bytes
+
+DIM = DP_SP
+
+
+class _Bucket:
+    """Parameters whose gradients are reduce-scattered together, and their buffer."""
+
+    def __init__(self, params: list, shards: dict, dtype: torch.dtype, device):
+        self.params = params
+        self.offsets, section = {}, 0
+        for p in params:
+            self.offsets[p] = section
+            section += shards[p].padded_numel
+        self.section = section
+        ranks = shards[params[0]].ranks
+        self.grads = torch.zeros(ranks, section, dtype=dtype, device=device)  # [P, section]
+        self.ready = 0
+        self.work = None  # the reduce-scatter in flight
+
+    def by_rank(self, p, shard: RowShard) -> torch.Tensor:
+        """`p`'s `[P, padded rows]` slots of the buffer (a view)."""
+        off = self.offsets[p]
+        return self.grads[:, off:off + shard.padded_numel]
+
+    def scratch(self, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer's memory as `[P, section]` of `dtype` (no larger than the buffer):
+        where the updated 16-bit weights are gathered."""
+        flat = self.grads.view(-1).view(dtype)
+        return flat[:self.grads.numel()].view(self.grads.shape)
+
+
+def _scatter_add(slots: torch.Tensor, flat: torch.Tensor) -> None:
+    """slots [P, n] += the flat tensor cut into P pieces of n (the last ones shorter)."""
+    n = slots.shape[1]
+    full, rest = divmod(flat.numel(), n)
+    if full:
+        slots[:full].add_(flat[:full * n].view(full, n))
+    if rest:
+        slots[full, :rest].add_(flat[full * n:])
+
+
+def _gather_into(flat: torch.Tensor, slots: torch.Tensor) -> None:
+    """The inverse of `_scatter_add`, copying: flat = the first flat.numel() of slots."""
+    n = slots.shape[1]
+    full, rest = divmod(flat.numel(), n)
+    if full:
+        flat[:full * n].view(full, n).copy_(slots[:full])
+    if rest:
+        flat[full * n:].copy_(slots[full, :rest])
+
+
+class DistributedOptimizer(ShardedAdamW):
+    """AdamW on fp32 main rows of 16-bit model weights (module doc). To the trainer and
+    checkpoints it is ZeRO-1's `ShardedAdamW` whose rows (`views`) are the main weights."""
+
+    def __init__(self, groups: list[dict], comm: Comm, dtype: torch.dtype,
+                 grad_dtype: torch.dtype, bucket_bytes: int,
+                 make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
+                 align: Optional[Callable[[torch.Tensor], None]] = None):
+        self.comm, self.dtype, self.align = comm, dtype, align
+        self.ranks, self.rank = comm.size(DIM), comm.rank(DIM)
+        self.groups = [list(g["params"]) for g in groups]
+        self.params = [p for g in self.groups for p in g]
+        self.shards = {p: RowShard.of(_local(p), self.ranks, self.rank) for p in self.params}
+        # fp32 main rows, from the fp32 initial (or loaded) weights, before those go 16-bit
+        self.views = {p: self.shards[p].mine(_local(p).detach()).float().clone()
+                      for p in self.params}
+        for p in self.params:  # in place (`p.data =` would leave a DTensor's local fp32)
+            torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype)))
+        device = _local(self.params[0]).device
+        self.buckets = [_Bucket(b, self.shards, grad_dtype, device)
+                        for b in _make_buckets(self.params, bucket_bytes / 2 ** 20)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.inner = make_adamw([{**g, "params": [self.views[p] for p in g["params"]]}
+                                 for g in groups])
+        self.main_grads: dict = {}  # param -> fp32 rows of its reduced gradient
+        self.armed = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def _accumulate(self, p) -> None:
+        """Autograd's gradient of `p` (16-bit) into the buffer; on the last backward, a
+        bucket whose parameters are all in is reduce-scattered at once."""
+        if self.align is not None:
+            self.align(p)
+        bucket = self.bucket_of[p]
+        _scatter_add(bucket.by_rank(p, self.shards[p]), _local(p.grad).reshape(-1))
+        p.grad = None
+        if self.armed:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket)
+
+    def take(self, p, grad: torch.Tensor) -> None:
+        """One use's gradient of `p`, handed over by `layers.compute_weight` (`grad_sink`):
+        into the buffer now. The bucket's count waits for `p`'s own hook (its other use)."""
+        p.grad = grad
+        was, self.armed = self.armed, False
+        self._accumulate(p)
+        self.armed = was
+
+    def flush(self) -> None:
+        """Gradients autograd did not hand to the hook (zero-bubble's weight pass assigns
+        them): into the buffer now."""
+        for p in self.params:
+            if p.grad is not None:
+                self.take(p, p.grad)
+
+    def arm(self) -> None:
+        """Before the step's last backward: reduce buckets as they complete."""
+        self.armed = True
+        for b in self.buckets:
+            b.ready = 0
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.ranks > 1:
+            bucket.work = self.comm.reduce_scatter_flat(bucket.grads[self.rank],
+                                                        bucket.grads.view(-1), DIM,
+                                                        async_op=True)
+
+    def finish(self) -> None:
+        """After the last backward: every bucket reduced; the main gradients are this
+        rank's rows of the sums (fp32)."""
+        self.flush()
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            mine = b.grads[self.rank]  # [section]
+            for p in b.params:
+                shard = self.shards[p]
+                rows = shard.unpack(mine[b.offsets[p]:])
+                self.main_grads[p] = rows if rows.dtype == torch.float32 else rows.float()
+        self.armed = False
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self.main_grads[p]
+
+    def has_grad(self, p: torch.Tensor) -> bool:
+        return p in self.main_grads
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        for p, main in self.views.items():
+            main.grad = self.main_grads[p]
+        self.inner.step()
+        for p, main in self.views.items():
+            main.grad = None
+        self.main_grads.clear()  # the buffer's rows are overwritten by the gather next
+        self.publish()
+
+    def publish(self) -> None:
+        """The main weights, rounded to 16 bits, into every rank's model weights: each
+        rank's rows gathered in the gradient buffer of their bucket."""
+        launched = []
+        for b in self.buckets:
+            slots = b.scratch(self.dtype)  # [P, section] 16-bit
+            for p in b.params:  # this rank's slot; its padding is never read back
+                off = b.offsets[p]
+                slots[self.rank, off:off + self.shards[p].numel].copy_(
+                    self.views[p].reshape(-1))
+            work = (self.comm.all_gather_flat(slots.view(-1), slots[self.rank], DIM,
+                                              async_op=True) if self.ranks > 1 else None)
+            launched.append((b, slots, work))
+        for b, slots, work in launched:
+            if work is not None:
+                work.wait()
+            for p in b.params:
+                off = b.offsets[p]
+                _gather_into(_local(p).detach().view(-1),
+                             slots[:, off:off + self.shards[p].padded_numel])
+            b.grads.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad = None
+        self.main_grads.clear()
+        for b in self.buckets:
+            b.grads.zero_()
+
+    # -- checkpoints: the main weights are the model's weights ------------------------------
+
+    def model_state_dict(self, fqns: dict) -> dict:
+        """{"<name>": fp32 DTensor of the main rows, global shape}: the weights a
+        checkpoint keeps (loads under any stage and grid)."""
+        return {fqns[p]: self._as_dtensor(p, self.views[p]) for p in self.params}
+
+    def load_model_state_dict(self, state: dict, fqns: dict) -> None:
+        """After DCP filled `model_state_dict`'s tensors: main rows, then model weights."""
+        for p in self.params:
+            self.views[p].copy_(_local(state[fqns[p]]))
+        self.publish()
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def held_bytes(self, seen: set) -> dict:
+        """Bytes of the buffers and main state (each storage once): grads (buffers and
+        main gradients), optim (main weights and moments)."""
+        grads = sum(_storage_bytes(b.grads, seen) for b in self.buckets)
+        grads += sum(_storage_bytes(g, seen) for g in self.main_grads.values())
+        optim = sum(_storage_bytes(v, seen) for v in self.views.values())
+        optim += sum(_storage_bytes(v, seen) for state in self.inner.state.values()
+                     for v in state.values() if isinstance(v, torch.Tensor))
+        return {"grads": grads, "optim": optim}
