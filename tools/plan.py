@@ -42,7 +42,7 @@ GRID_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-s
               "--context-parallel-size": "cp", "--zero-stage": "zero",
               "--recompute-granularity": "recompute", "--recompute-activations": "recompute",
               "--tiled-mlp-chunks": "tiles", "--micro-batch-size": "micro_batch",
-              "--sequence-parallel": "megatron_sp"}
+              "--sequence-parallel": "megatron_sp", "--use-distributed-optimizer": "dist_opt"}
 
 
 class PlanError(Exception):
@@ -150,7 +150,7 @@ def _fixed(rest: list, cfg) -> dict:
                   sp=par.ds_sequence_parallel_size, cp=par.context_parallel_size,
                   zero=par.zero_stage, recompute=mem.recompute_granularity or "none",
                   tiles=mem.tiled_mlp_chunks, micro_batch=cfg.train.micro_batch_size,
-                  megatron_sp=par.tp_sequence_parallel)
+                  megatron_sp=par.tp_sequence_parallel, dist_opt=par.use_distributed_optimizer)
     return {k: values[k] for k in given}
 
 

@@ -5,6 +5,7 @@
 # and tokenizer. What each flag does here: README.md, "Coming from Megatron-LM".
 #
 #   DRY_RUN=128 bash examples/megatron/train_gpt3_175b_distributed.sh   # plan 128 GPUs, ~6 s
+#   DRY_RUN=128 DRY_RUN_GPU=H100 bash ...   # the same on 128 H100s: exit 2 unless it fits
 #   bash examples/megatron/train_gpt3_175b_distributed.sh CKPT TB VOCAB MERGES DATA
 
 # Runs the "175B" parameter model
@@ -90,7 +91,7 @@ EVAL_AND_LOGGING_ARGS=(
 # DRY_RUN=N: the memory plan and every check for N GPUs, from one process, nothing allocated.
 if [[ -n "$DRY_RUN" ]]; then
     LAUNCH=(python)
-    EVAL_AND_LOGGING_ARGS+=(--dry-run --dry-run-world-size $DRY_RUN)
+    EVAL_AND_LOGGING_ARGS+=(--dry-run --dry-run-world-size $DRY_RUN ${DRY_RUN_GPU:+--dry-run-gpu $DRY_RUN_GPU})
 else
     LAUNCH=(torchrun ${DISTRIBUTED_ARGS[@]})
 fi

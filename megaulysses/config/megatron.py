@@ -181,8 +181,9 @@ def given_lines(given_flags: Sequence[tuple[str, Any]]) -> list[str]:
 
 # Megatron-LM flags of ours that do what Megatron-LM's do in another way: what they are.
 IMPLEMENTED_AS = {
-    "--use-distributed-optimizer": "ZeRO-1, --zero-stage 1: optimizer states sharded over "
-                                   "dp x sp (a higher --zero-stage stays)",
+    "--use-distributed-optimizer": "Megatron-LM's layout under --bf16/--fp16 (16-bit "
+                                   "weights, fp32 main weights and moments sharded over dp "
+                                   "x sp); ZeRO-1 under fp32; a higher --zero-stage stays",
     "--attention-backend": "flash and auto as in Megatron-LM; fused runs as sdpa, unfused "
                            "and local as math (logged)",
 }

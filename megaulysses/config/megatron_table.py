@@ -64,7 +64,6 @@ _TIMERS = ("Megatron-LM's timers; --log-timers-to-tensorboard times forward, bac
            "optimizer and each collective here")
 _TIKTOKEN = "a setting of TikTokenizer, which is not provided here; unused by the others"
 _GONE = "no longer valid in Megatron-LM either"
-_OFFLOAD = "optimizer offload to CPU"
 _FSDP = "Megatron-FSDP (--zero-stage 3 is FSDP2 here)"
 _LOCAL_CKPT = "non-persistent (local) checkpoints and their replication"
 _CP_COMM = ("other context-parallel communication (here --ds-sequence-parallel-size is the "
@@ -153,9 +152,9 @@ FLAGS: dict[str, tuple[str, str]] = {
                                     "the mask allows; Megatron-LM's --attention-backend "
                                     "decides there too"),
     "--optimizer": (REFUSED, "other optimizers than Adam(W)"),
-    **{f: (REFUSED, _OFFLOAD) for f in (
-        "--optimizer-cpu-offload", "--optimizer-offload-fraction",
-        "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+    "--use-torch-optimizer-for-cpu-offload": (NO_EFFECT, "--optimizer-cpu-offload steps "
+                                                         "torch's fused CPU AdamW already"),
+    **{f: (REFUSED, "unpinned host copies of --optimizer-cpu-offload") for f in (
         "--no-pin-cpu-grads", "--no-pin-cpu-params")},
     "--dump-param-to-param-group-map": (NO_EFFECT, "Megatron-LM's parameter-group map file "
                                                    "is not written here"),

@@ -12,6 +12,7 @@ from typing import Optional
 
 from megaulysses.config.errors import ConfigError, require
 from megaulysses.config.grid import ParallelDims
+from megaulysses.config.rules_optim import validate_optimizer
 from megaulysses.config.rules_rope import validate_rope
 from megaulysses.config.schedule import (check_micro_batches, check_schedule_flags,
                                          with_default_iters)
@@ -32,7 +33,7 @@ def validate(cfg: Config) -> None:
              f"must be > 0, got {cfg.log.peak_tflops}")
     _validate_observability(cfg.log, cfg.train.save)
     _validate_pipeline(cfg.parallel)
-    _validate_optimizer_flags(cfg)
+    validate_optimizer(cfg)  # rules_optim.py
     backend = cfg.model.attention_backend
     # Needs no device, so --dry-run refuses it too (the trainer checks the rest: which
     # backend this device runs, for the mask).
@@ -148,18 +149,6 @@ def pipeline_schedule(par: ParallelConfig) -> str:
     if par.pipeline_schedule is not None:
         return par.pipeline_schedule
     return "interleaved-1f1b" if par.num_layers_per_virtual_pipeline_stage else "1f1b"
-
-
-def _validate_optimizer_flags(cfg: Config):
-    """Megatron-LM's own rules for its distributed optimizer's flags."""
-    par = cfg.parallel
-    require(not cfg.compat.overlap_param_gather or par.use_distributed_optimizer
-            or par.zero_stage > 0, "--overlap-param-gather",
-            "needs the distributed optimizer (--use-distributed-optimizer, or --zero-stage 1 "
-            "or more), as in Megatron-LM")
-    require(not (cfg.train.fp16 and par.grad_reduce_dtype == "bf16"), "--grad-reduce-in-bf16",
-            "not with --fp16 (--grad-reduce-dtype bf16 would reduce loss-scaled fp16 "
-            "gradients in another 16-bit format): use it with --bf16")
 
 
 def _validate_pipeline(par: ParallelConfig):

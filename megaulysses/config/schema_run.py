@@ -97,14 +97,28 @@ class ParallelConfig:
             "= --zero-stage 3, which is torch's FSDP2 here (Megatron-LM's name)",
             names=("--use-torch-fsdp2",), action="store_const", const=3),))
     use_distributed_optimizer: bool = option(
-        False, "Megatron-LM's distributed optimizer: optimizer states sharded over the data x "
-        "sequence-parallel ranks, = --zero-stage 1 (a higher --zero-stage shards more and "
-        "stays)", action="store_true")
+        False, "Megatron-LM's distributed optimizer: under --bf16/--fp16 16-bit weights, a "
+        "gradient buffer (fp32, or bf16 with --grad-reduce-in-bf16), fp32 main weights and "
+        "Adam moments sharded over the data x sequence-parallel ranks (6 + 12/N or 4 + 16/N "
+        "bytes per parameter); under fp32 = --zero-stage 1; a higher --zero-stage shards more "
+        "and stays", action="store_true")
     grad_reduce_dtype: str = option(
         "fp32", "dtype in which gradients are summed over the data x sequence-parallel ranks",
         choices=GRAD_REDUCE_DTYPES, after=(Flag(
             "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
             action="store_const", const="bf16"),))
+    optimizer_cpu_offload: bool = option(
+        False, "with --use-distributed-optimizer: the fp32 main weights and Adam moments (of "
+        "--optimizer-offload-fraction of the parameters) live and step on the host, in "
+        "pinned memory, with torch's fused CPU AdamW; the reduced gradients go there and the "
+        "updated 16-bit weights come back", action="store_true")
+    optimizer_offload_fraction: float = option(
+        1.0, "with --optimizer-cpu-offload: the fraction of the parameters (by count, in "
+        "order) whose optimizer state is on the host, in [0, 1]", kind="number")
+    overlap_cpu_optimizer_d2h_h2d: bool = option(
+        False, "with --optimizer-cpu-offload: copy each bucket's gradients to the host as its "
+        "reduction ends, and its updated weights back, asynchronously (CUDA streams; on a "
+        "CPU there is nothing to overlap)", action="store_true")
     distributed_timeout_minutes: float = option(
         10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
         "rank exits non-zero naming the rank(s) it lost", kind="number")

@@ -37,10 +37,12 @@ from typing import Callable, Optional
 
 import torch
 
+from megaulysses.config import RunConfig
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
-from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets
-from megaulysses.parallel.zero import ShardedAdamW, _storage_bytes
+from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets, _storage_bytes
+from megaulysses.parallel.offload import HostState
+from megaulysses.parallel.zero import ShardedAdamW
 
 DIM = DP_SP
 
@@ -99,14 +101,18 @@ class DistributedOptimizer(ShardedAdamW):
     def __init__(self, groups: list[dict], comm: Comm, dtype: torch.dtype,
                  grad_dtype: torch.dtype, bucket_bytes: int,
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
-                 align: Optional[Callable[[torch.Tensor], None]] = None):
+                 align: Optional[Callable[[torch.Tensor], None]] = None,
+                 offload: Optional[float] = None, overlap: bool = False):
+        """`offload`: --optimizer-offload-fraction under --optimizer-cpu-offload (None:
+        nothing on the host); `overlap`: --overlap-cpu-optimizer-d2h-h2d."""
         self.comm, self.dtype, self.align = comm, dtype, align
         self.ranks, self.rank = comm.size(DIM), comm.rank(DIM)
         self.groups = [list(g["params"]) for g in groups]
         self.params = [p for g in self.groups for p in g]
         self.shards = {p: RowShard.of(_local(p), self.ranks, self.rank) for p in self.params}
+        self.host = HostState(self.params, offload, overlap, _local(self.params[0]).device)
         # fp32 main rows, from the fp32 initial (or loaded) weights, before those go 16-bit
-        self.views = {p: self.shards[p].mine(_local(p).detach()).float().clone()
+        self.views = {p: self.host.main(p, self.shards[p].mine(_local(p).detach()))
                       for p in self.params}
         for p in self.params:  # in place (`p.data =` would leave a DTensor's local fp32)
             torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype)))
@@ -118,6 +124,9 @@ class DistributedOptimizer(ShardedAdamW):
                                  for g in groups])
         self.main_grads: dict = {}  # param -> fp32 rows of its reduced gradient
         self.armed = False
+        if self.host.params:  # Adam's moments on the host from the start, marked as such
+            self._materialize_state()
+            self.host.mark_states(self.inner.state, self.views)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._accumulate)
 
@@ -176,9 +185,9 @@ class DistributedOptimizer(ShardedAdamW):
                 b.work = None
             mine = b.grads[self.rank]  # [section]
             for p in b.params:
-                shard = self.shards[p]
-                rows = shard.unpack(mine[b.offsets[p]:])
-                self.main_grads[p] = rows if rows.dtype == torch.float32 else rows.float()
+                rows = self.shards[p].unpack(mine[b.offsets[p]:])
+                self.main_grads[p] = self.host.grad(p, rows)
+        self.host.arrived()
         self.armed = False
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor:
@@ -207,7 +216,7 @@ class DistributedOptimizer(ShardedAdamW):
             for p in b.params:  # this rank's slot; its padding is never read back
                 off = b.offsets[p]
                 slots[self.rank, off:off + self.shards[p].numel].copy_(
-                    self.views[p].reshape(-1))
+                    self.views[p].reshape(-1), non_blocking=self.host.overlap)
             work = (self.comm.all_gather_flat(slots.view(-1), slots[self.rank], DIM,
                                               async_op=True) if self.ranks > 1 else None)
             launched.append((b, slots, work))
@@ -246,9 +255,26 @@ class DistributedOptimizer(ShardedAdamW):
     def held_bytes(self, seen: set) -> dict:
         """Bytes of the buffers and main state (each storage once): grads (buffers and
         main gradients), optim (main weights and moments)."""
+        host = self.host.held_bytes(seen, self.inner.state, self.views)
         grads = sum(_storage_bytes(b.grads, seen) for b in self.buckets)
         grads += sum(_storage_bytes(g, seen) for g in self.main_grads.values())
         optim = sum(_storage_bytes(v, seen) for v in self.views.values())
         optim += sum(_storage_bytes(v, seen) for state in self.inner.state.values()
                      for v in state.values() if isinstance(v, torch.Tensor))
-        return {"grads": grads, "optim": optim}
+        return {"grads": grads, "optim": optim, **({"host": host} if self.host.params else {})}
+
+
+def describe(cfg: RunConfig) -> str:
+    """What --use-distributed-optimizer is in this run, for the start-up log."""
+    par, t = cfg.parallel, cfg.train
+    n = cfg.dims.dp * cfg.dims.seq_degree
+    if par.zero_stage >= 2:
+        return f"--zero-stage {par.zero_stage} stays (FSDP2: it shards more)"
+    if not (t.bf16 or t.fp16):
+        return (f"ZeRO-1 under fp32 (weights and gradients fp32 on every rank, Adam moments "
+                f"sharded over dp x sp = {n}): Megatron-LM's 8 + 8/{n} bytes per parameter")
+    half = "bf16" if t.bf16 else "fp16"
+    grad, e = ("bf16", 4 + 16 / n) if par.grad_reduce_dtype == "bf16" else ("fp32", 6 + 12 / n)
+    return (f"Megatron-LM's distributed optimizer: {half} weights, {grad} gradient buffer, "
+            f"fp32 main weights and Adam moments sharded over dp x sp = {n}: {e:.2f} bytes "
+            "per parameter")

@@ -95,7 +95,8 @@ def _sum_of(tensors: list, device, of) -> torch.Tensor:
     """Sum of `of` over `tensors`, fp64, on `device` (a collective's device)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([of(t) for t in tensors]).sum().to(device)
+    # .to: some parts may live on the host (--optimizer-cpu-offload's gradients)
+    return torch.stack([of(t).to(device) for t in tensors]).sum()
 
 
 @torch.no_grad()

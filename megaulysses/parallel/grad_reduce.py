@@ -180,3 +180,15 @@ def _make_buckets(params: list, bucket_mb: float) -> list[list]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def _storage_bytes(t, seen: set) -> int:
+    """Bytes of `t`'s storage at its allocated size, 0 if `seen` holds it (then it does)."""
+    if t is None:
+        return 0
+    storage = _local(t).untyped_storage()
+    key = storage._cdata  # not data_ptr(): 0 for every meta or fake storage
+    if storage.nbytes() == 0 or key in seen:
+        return 0
+    seen.add(key)
+    return storage.nbytes()

@@ -98,8 +98,10 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
         pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
                             _micro_shape(cfg), device, stages)
     dist_opt = dtype if par.use_distributed_optimizer and zero_stage <= 1 else None
+    offload = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
-                       param_groups(model), make_optimizer, dist_opt)
+                       param_groups(model), make_optimizer, dist_opt,
+                       (offload, par.overlap_cpu_optimizer_d2h_h2d))
     return Parallelized(model, pipeline, zero, zero_stage)
 
 
@@ -140,9 +142,11 @@ def _micro_shape(cfg: RunConfig) -> tuple:
 
 
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
-                groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype]) -> Zero:
+                groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype],
+                offload: tuple = (None, False)) -> Zero:
     """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
-    in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage)."""
+    in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage);
+    `offload`: its (host fraction or None, overlapped copies) (offload.py)."""
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
     align = None
     if comm.size(TP) > 1:
@@ -151,7 +155,7 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
     own = None
     if dist_opt is not None and dist_opt != torch.float32:
         own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype, BUCKET_BYTES,
-                                   make_optimizer, align)
+                                   make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph
             model.embed.word.weight.grad_sink = own.take
     zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,

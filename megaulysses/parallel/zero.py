@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
-from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local
+from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local, _storage_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -253,10 +253,10 @@ class Zero:
                  reduce_dtype: torch.dtype, fsdp_roots: list,
                  align: Optional[Callable[[torch.Tensor], None]] = None,
                  optimizer: Optional[ShardedAdamW] = None):
-        """`optimizer`: one that reduces its own gradients (dist_opt.DistributedOptimizer)."""
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
-        self.reducer, self.own = None, optimizer  # `own`: it reduces, holds and steps
+        # `optimizer` (own): one that reduces, holds and steps (dist_opt.py)
+        self.reducer, self.own = None, optimizer
         n = comm.size(DIM)
         if stage <= 1 and n > 1 and optimizer is None:
             shards = ({p: RowShard.of(_local(p), n, comm.rank(DIM)) for p in self.params}
@@ -318,8 +318,8 @@ class Zero:
         skip = {id(p) for p in excluded}
         own = self.own  # its fp32 main weights, this rank's rows, are the parameters
         sharded = (DIM,) if (self.stage >= 2 or own) and self.comm.size(DIM) > 1 else ()
-        return [GradPart(own.views[p] if own else _local(p).detach(), sharded + ((TP,) if _tp_sharded(p) else ()),
-                         id(p) not in skip)
+        return [GradPart(own.views[p] if own else _local(p).detach(),
+                         sharded + ((TP,) if _tp_sharded(p) else ()), id(p) not in skip)
                 for p in self.params]
 
     def _has_grad(self, p) -> bool:
@@ -380,17 +380,6 @@ class Zero:
             group = m._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 yield from group.fsdp_params
-
-
-def _storage_bytes(t, seen: set) -> int:
-    if t is None:
-        return 0
-    storage = _local(t).untyped_storage()
-    key = storage._cdata  # not data_ptr(): 0 for every meta or fake storage
-    if storage.nbytes() == 0 or key in seen:
-        return 0
-    seen.add(key)
-    return storage.nbytes()
 
 
 def _tp_sharded(p) -> bool:

@@ -27,7 +27,8 @@ from megaulysses.planner.time_model import Prediction, predict
 LEVELS = (("none", 1), ("selective", 1), ("full", 1), ("full", 4))  # (recompute, MLP tiles)
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
-FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp")
+FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp",
+          "dist_opt")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Grid:
     tiles: int  # --tiled-mlp-chunks
     micro_batch: int
     megatron_sp: bool = False  # --sequence-parallel: Megatron's sequence parallelism in tp
+    dist_opt: bool = False  # --use-distributed-optimizer (with zero 1)
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this grid."""
@@ -51,12 +53,15 @@ class Grid:
                "--context-parallel-size", str(self.cp), "--zero-stage", str(self.zero),
                "--micro-batch-size", str(self.micro_batch)]
         out += ["--sequence-parallel"] if self.megatron_sp else []
+        out += ["--use-distributed-optimizer"] if self.dist_opt else []
         out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
         return out + (["--tiled-mlp-chunks", str(self.tiles)] if self.tiles > 1 else [])
 
     def __str__(self) -> str:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x sp {self.sp} x cp {self.cp}, "
-                f"{'Megatron-SP, ' if self.megatron_sp else ''}ZeRO-{self.zero}, recompute {self.recompute}"
+                f"{'Megatron-SP, ' if self.megatron_sp else ''}"
+                f"{'distributed optimizer' if self.dist_opt else f'ZeRO-{self.zero}'}, "
+                f"recompute {self.recompute}"
                 f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}, "
                 f"micro-batch {self.micro_batch}")
 
@@ -104,7 +109,7 @@ def configure(base: Config, grid: Grid) -> RunConfig:
     par = replace(base.parallel, tensor_model_parallel_size=grid.tp,
                   pipeline_model_parallel_size=grid.pp, ds_sequence_parallel_size=grid.sp,
                   context_parallel_size=grid.cp, tp_sequence_parallel=grid.megatron_sp,
-                  zero_stage=grid.zero)
+                  zero_stage=grid.zero, use_distributed_optimizer=grid.dist_opt)
     mem = replace(base.memory, tiled_mlp_chunks=grid.tiles,
                   recompute_granularity=None if grid.recompute == "none" else grid.recompute,
                   recompute_method=(base.memory.recompute_method or "uniform") if full else None,
@@ -185,8 +190,7 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     """(fitting, rejected, dominated) of one shape and micro-batch over the recomputation
     levels and ZeRO stages (the module doc's order)."""
     dp, tp, pp, sp, cp = shape
-    stages = [fixed["zero"]] if "zero" in fixed else (
-        list(ZERO_STAGES) if dp * cp * sp > 1 else [0])
+    stages = _stages(base, dp * cp * sp, fixed)
     levels = [(r, t) for r, t in LEVELS
               if fixed.get("recompute", r) == r and fixed.get("tiles", t) == t]
     if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
@@ -194,8 +198,8 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
                   if fixed.get("recompute", r) == r]
     fits, rejected, limit, tried = [], [], len(stages), 0
     for recompute, tiles in levels:
-        for i, zero in enumerate(stages[:limit]):
-            grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp)
+        for i, (zero, dist_opt) in enumerate(stages[:limit]):
+            grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp, dist_opt)
             c = evaluate(base, grid, gpu, reserve_gib)
             tried += 1
             if c.kind == "fits":
@@ -208,6 +212,22 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
         if limit == 0:
             break
     return fits, rejected, len(levels) * len(stages) - tried
+
+
+def _stages(base: Config, n: int, fixed: dict) -> list[tuple[int, bool]]:
+    """(ZeRO stage, distributed optimizer) in the walk's order. Under --bf16/--fp16
+    Megatron-LM's distributed optimizer (16-bit weights, fp32 main rows) comes before
+    ZeRO-1: less memory and no more time (the same reduce-scatter, a 16-bit all-gather),
+    so ZeRO-1 is tried only where it does not fit; under fp32 it is ZeRO-1. As the flags
+    hold them."""
+    half = base.train.bf16 or base.train.fp16
+    ladder = [(0, False)] + ([(1, True)] if half else []) + [(1, False), (2, False), (3, False)]
+    if n == 1:
+        ladder = [(0, False)]
+    if fixed.get("dist_opt"):
+        return [(max(1, fixed.get("zero", 1)), fixed.get("zero", 1) <= 1)]
+    return [(z, d) for z, d in ladder if fixed.get("zero", z) == z
+            and fixed.get("dist_opt", d) == d]
 
 
 def _depends_on_level(c: Candidate) -> bool:

@@ -136,7 +136,7 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     t_mb = compute_mb + exposed_mb + max(0.0, ring_mb - attention_mb)
     zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage)
     zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
-    optimizer = ADAM_BYTES * plan.optimizer_bytes / 8 / (gpu.hbm_gbps * 1e9)
+    optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9)
     bubble = _bubble_micro_batches(cfg, dims) * t_mb
     return dict(time=m * t_mb + bubble + zero_s + optimizer, compute=m * compute_mb,
                 exposed=m * (t_mb - compute_mb) + zero_s, bubble=bubble, optimizer=optimizer,
@@ -163,6 +163,14 @@ def _flops(cfg: Config, dims: ParallelDims, plan: MemoryPlan, last: bool) -> dic
     attention = tokens * layers * attn * (1 + ATTENTION_BACKWARD + (
         1 if cfg.memory.recompute_granularity in ("full", "selective") else 0))
     return dict(total=total, attention=attention)
+
+
+def _adam_params(cfg: Config, plan: MemoryPlan) -> float:
+    """Parameters AdamW steps on this rank: its moments' bytes / 8 (the distributed
+    optimizer's states hold the fp32 main weights too: / 12)."""
+    half = cfg.train.bf16 or cfg.train.fp16
+    dist_opt = cfg.parallel.use_distributed_optimizer and half and plan.zero_stage <= 1
+    return plan.optimizer_bytes / (12 if dist_opt else 8)
 
 
 def _zero_seconds(comm_s: dict, stage: int) -> tuple[float, float]:

@@ -32,6 +32,11 @@ Nor what lives only inside one kernel call and is no tensor (oneDNN scratchpads,
 kernel's own temporaries, Python numbers wrapped as 0-dim tensors): on CPU `peak` is the
 allocator's high-water mark less those (tests/training/test_live_bytes.py compares them).
 
+Host memory: storages marked by `parallel.host_memory.mark_host` (an offload's copies in
+host memory, which on a CPU-only machine is the same memory as the "device") are counted in
+`host_current` / `host_peak`, never in `current` / `peak`; `storage_bytes(..., host=)`
+splits what exists already the same way.
+
 A storage's death is seen through a weak reference to its Python object, which PyTorch
 keeps alive as long as any C++ owner (a tensor saved by autograd, a pending collective)
 holds the storage: a tensor referenced only by the autograd graph stays counted until
@@ -50,7 +55,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megaulysses.parallel.host_memory import is_host_storage, listen
+
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+HOST = "host"  # the label of storages marked as host memory (parallel/host_memory.py)
 try:
     _WAIT = torch.ops._c10d_functional.wait_tensor.default
 except (AttributeError, RuntimeError):  # a build without torch.distributed
@@ -98,6 +106,8 @@ class LiveBytes(TorchDispatchMode):
         self.count_meta = count_meta
         self.current = 0
         self.peak = 0
+        self.host_current = 0  # storages marked as host memory (`mark_host`), apart
+        self.host_peak = 0
         self.current_by_label: dict = {}
         self.peak_by_label: dict = {}
         self._live: dict = {}  # id(untyped storage) -> _Record
@@ -131,6 +141,7 @@ class LiveBytes(TorchDispatchMode):
         self._fake = torch._C._get_dispatch_mode(_FAKE_KEY)
         self._fake_depth = len(self._fake.enter_stack) if self._fake is not None else 0
         _patch_resize(self)
+        listen(self._to_host, True)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -138,6 +149,7 @@ class LiveBytes(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _unpatch_resize(self)
+            listen(self._to_host, False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
@@ -191,7 +203,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, st):
         rec = _Record()
-        rec.nbytes, rec.label = st.nbytes(), self.label
+        rec.nbytes, rec.label = st.nbytes(), HOST if is_host_storage(id(st)) else self.label
         key = id(st)
         rec.ref = weakref.ref(st, lambda _, key=key: self._free(key))
         with self._lock:
@@ -217,7 +229,20 @@ class LiveBytes(TorchDispatchMode):
         elif before == 0 and after > 0:
             self._add(st)  # FSDP2 re-allocating an unsharded parameter: memory from now
 
+    def _to_host(self, key: int):
+        """A tracked storage just marked as host memory: counted there from now on."""
+        with self._lock:
+            rec = self._live.get(key)
+            if rec is not None and rec.label != HOST:
+                self._change(rec.label, -rec.nbytes)
+                rec.label = HOST
+                self._change(HOST, rec.nbytes)
+
     def _change(self, label: str, delta: int):  # under the lock
+        if label == HOST:
+            self.host_current += delta
+            self.host_peak = max(self.host_peak, self.host_current)
+            return
         self.current += delta
         self.current_by_label[label] = self.current_by_label.get(label, 0) + delta
         if self.current > self.peak:
@@ -256,10 +281,12 @@ def _unpatch_resize(tracker: LiveBytes):
 
 # -- storages that exist already ------------------------------------------------------------
 
-def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+def storage_bytes(tensors: Iterable[Optional[torch.Tensor]],
+                  host: Optional[bool] = None) -> int:
     """Bytes of the distinct storages behind `tensors` (None skipped; a DTensor counts its
     local tensor; each storage once, at its current size): what a rank already holds
-    (parameters, gradients, optimizer states) before a tracker starts."""
+    (parameters, gradients, optimizer states) before a tracker starts. `host`: only the
+    storages marked as host memory (True), only the others (False), all (None)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
@@ -269,6 +296,8 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
         elif not _has_storage(t):
             continue
         st = t.untyped_storage()
+        if host is not None and is_host_storage(id(st)) != host:
+            continue
         if id(st) not in seen:
             seen.add(id(st))
             total += st.nbytes()

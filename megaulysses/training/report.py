@@ -90,10 +90,16 @@ def log_startup(run: Run) -> None:
 
 def _log_zero(run: Run) -> None:
     asked, n, stage = run.cfg.parallel.zero_stage, run.comm.size(DP_SP), run.parts.zero_stage
+    held = run.parts.zero.held_bytes()
+    if run.parts.zero.own is not None:
+        log.info("zero: the distributed optimizer over dp x sp = %d ranks; model states held "
+                 "now: parameters %s, gradient buffer %s, main weights %s; Adam's moments "
+                 "appear at the first step", n, _mib(held["params"]), _mib(held["grads"]),
+                 _mib(held["optim"]))
+        return
     if asked and not stage:
         log.info("zero: --zero-stage %d has nothing to shard over (dp x sp = 1): stage 0",
                  asked)
-    held = run.parts.zero.held_bytes()
     log.info("zero: stage %d over dp x sp = %d ranks (%s); model states held now: "
              "parameters %s; gradients and optimizer states appear at the first step "
              "and are logged every --log-interval", stage, n, ZERO_SHARDS[stage],

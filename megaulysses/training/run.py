@@ -29,6 +29,7 @@ from megaulysses.data.workers import with_workers
 from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.gpt import GPT
 from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dist_opt import describe as describe_dist_opt
 from megaulysses.parallel.dims import CP, DP, SP, build_mesh, init_distributed
 from megaulysses.parallel.parallelize import Parallelized, parallelize
 from megaulysses.parallel.ring import local_positions
@@ -114,8 +115,7 @@ def log_megatron_meanings(cfg: Config, run_cfg: RunConfig) -> None:
                  "global batch ramps up, the learning rate counting iterations",
                  run_cfg.train.train_iters)
     if cfg.parallel.use_distributed_optimizer:
-        log.info("--use-distributed-optimizer: ZeRO stage %d here (optimizer states sharded "
-                 "over dp x sp)", run_cfg.parallel.zero_stage)
+        log.info("--use-distributed-optimizer: %s", describe_dist_opt(run_cfg))
     for f in fields(CompatConfig):
         value = getattr(cfg.compat, f.name)
         if "flags" in f.metadata and value != f.default:

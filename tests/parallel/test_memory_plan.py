@@ -66,6 +66,10 @@ GRIDS = {  # world -> {name: flags}
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
+        "dp2, distributed optimizer, bf16, none": ["--use-distributed-optimizer", "--bf16"],
+        "tp2 + Megatron-SP, distributed optimizer, bf16 gradients, full": TP2 + [
+            "--sequence-parallel", "--use-distributed-optimizer", "--grad-reduce-in-bf16",
+            "--bf16"] + FULL,
         "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"],
         "cp2 (ring), bf16, none, core-bound": CP2 + CORE_BOUND + ["--bf16"]},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
@@ -120,8 +124,11 @@ def measured_peak(trainer) -> tuple[int, dict]:
     batches = trainer.train_data.micro_batches(t.global_batch_size)
     states = [v for s in trainer.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor)]
+    opt = trainer.optimizer  # the distributed optimizer's buffers and main weights
+    own = [b.grads for b in getattr(opt, "buckets", [])] + list(
+        getattr(opt, "views", {}).values())
     held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
-                         + states + [v for b in batches for v in b.values()]
+                         + states + own + [v for b in batches for v in b.values()]
                          + _pipeline_buffers(trainer.pipeline))
     gc.collect()
     trainer.comm.stats.pop()
@@ -191,10 +198,12 @@ def test_planner_predicts_the_measured_grids(measured):
             par = cfg.parallel
             tp, pp, sp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                               par.ds_sequence_parallel_size, par.context_parallel_size)
-            grid = Grid(world // (tp * pp * sp * cp), tp, pp, sp, cp, par.zero_stage,
+            dist_opt = par.use_distributed_optimizer
+            grid = Grid(world // (tp * pp * sp * cp), tp, pp, sp, cp,
+                        max(par.zero_stage, int(dist_opt)),
                         cfg.memory.recompute_granularity or "none",
                         cfg.memory.tiled_mlp_chunks, cfg.train.micro_batch_size,
-                        par.tp_sequence_parallel)
+                        par.tp_sequence_parallel, dist_opt)
             c = evaluate(cfg, grid, gpu_spec("A100-80GB"), 0.0, device_type="cpu")
             assert c.kind == "fits", (name, c.reason)
             peak = max(meas for (w, _, n), (meas, *_) in measured.items()

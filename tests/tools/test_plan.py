@@ -205,7 +205,10 @@ AGREE = {"tp2, Megatron-SP, fp16": ["--tensor-model-parallel-size", "2", "--sequ
          "tp2 without SP": ["--tensor-model-parallel-size", "2",
                             "--ds-sequence-parallel-size", "4"],
          "pp2 x sp2, ZeRO-3": ["--pipeline-model-parallel-size", "2",
-                               "--ds-sequence-parallel-size", "2", "--zero-stage", "3"]}
+                               "--ds-sequence-parallel-size", "2", "--zero-stage", "3"],
+         "dp8, distributed optimizer, bf16 gradients": ["--global-batch-size", "8",
+                                                        "--use-distributed-optimizer",
+                                                        "--grad-reduce-in-bf16"]}
 
 
 @pytest.mark.parametrize("name", sorted(AGREE))
@@ -226,7 +229,11 @@ def test_plan_and_dry_run_agree(name):
     row = next(line for line in out.splitlines() if line.startswith("1  "))
     assert ("Megatron-SP" in row) == ("--sequence-parallel" in flags)
     planned = float(row.split("micro-batch 1")[1].split()[0])
-    rc, out, err = run_main(pretrain_gpt, *flags, "--vocab-size", "50257", "--tokenizer-type",
+    # --zero-stage 1 is searched with and without the distributed optimizer (the row says)
+    dist_opt = ["--use-distributed-optimizer"] if "distributed optimizer" in row else []
+    assert dist_opt or "--use-distributed-optimizer" not in flags
+    rc, out, err = run_main(pretrain_gpt, *flags, *dist_opt, "--vocab-size", "50257",
+                            "--tokenizer-type",
                             "NullTokenizer", "--mock-data", "--dry-run",
                             "--dry-run-world-size", "8", "--dry-run-gpu", "H100")
     assert rc == 0, err

@@ -14,6 +14,12 @@ along dim 0 into ceil(rows/N)-row pieces.
                 stage 2/3 the piece, plus a block's unsharded gradients during its
                 backward; the last layer's fresh gradients in a step's first backward
     optimizer   AdamW's two fp32 moments of the rank's rows + 4 bytes of step per tensor
+    distributed --use-distributed-optimizer under bf16/fp16 (stage <= 1): 16-bit weights
+    optimizer   P/2, the gradient buffer P (P/2 in bf16) from the first backward on,
+                fp32 main weights and moments of the rows (3 x rows), and at the step
+                the main gradients' fp32 copy of the rows with a bf16 buffer; reduced
+                and gathered in place (no working set): Megatron-LM's 6 + 12/N and
+                4 + 16/N bytes per parameter
     reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
                 all all-reduces end, + P; stage 1: earlier buckets in flight, the last
                 one's gradients, padded pieces and their concatenation; at the step the
@@ -123,6 +129,17 @@ class _States:
                             if half and stage < 2 else 0)
         self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
         self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
+        # Megatron-LM's distributed optimizer (parallel/dist_opt.py): 16-bit weights, a
+        # gradient buffer in the reduce dtype, fp32 main weights and moments of the rows
+        self.dist_opt = half and stage <= 1 and cfg.parallel.use_distributed_optimizer
+        if self.dist_opt:
+            rows = self.local if n == 1 else everything.rows
+            self.optimizer = 3 * rows + F32 * len(params)
+            self.held_params, self.cast_copies = self.local // 2, 0
+            self.buffer = self.local * self.reduce_e // F32
+            # the main gradients: the buffer's own rows, or their fp32 copy
+            self.main_grads = rows if self.reduce_e != F32 else 0
+            self.gather_e = 2  # the updated weights are gathered in 16 bits
 
     @property
     def fsdp_per_block(self) -> bool:
@@ -132,6 +149,8 @@ class _States:
 
     def grads_accumulated(self) -> int:
         """Gradients held after a micro-batch's backward, before the step's last one."""
+        if self.dist_opt:
+            return self.buffer
         return self.piece if self.fsdp_per_block else self.local
 
     def gathered(self, blocks: int) -> int:
@@ -149,6 +168,8 @@ class _States:
         place later; FSDP makes them unsharded in the compute dtype in every backward."""
         if self.fsdp_per_block:
             return done * self.gather_e // F32
+        if self.dist_opt:  # the buffer, from the start (each weight's 16-bit gradient is
+            return 0 if later else self.buffer  # added into it at once: not counted)
         return 0 if later else done
 
     def block_reduce_scatter(self) -> int:
@@ -161,6 +182,8 @@ class _States:
 
     def reduction(self) -> dict:
         """{moment: (gradients, working set)} of the dp x cp x sp reduction and the step."""
+        if self.dist_opt:  # reduced and gathered in place, in the buffer
+            return {"step": (self.buffer + self.main_grads, 0)}
         if self.n == 1 or self.stage >= 2:
             return {"step": (self.grads_accumulated(), 0)}
         last_local, last_padded = self.buckets[-1]

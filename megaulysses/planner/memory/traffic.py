@@ -122,9 +122,9 @@ def _zero(out: dict, st: _States, m: int):
     ar, ag, rs = (DP_SP, "all_reduce"), (DP_SP, "all_gather"), (DP_SP, "reduce_scatter")
     if st.stage == 0:
         out[ar] += 2 * st.local * reduce * frac
-    elif st.stage == 1:
+    elif st.stage == 1:  # the distributed optimizer gathers 16-bit weights
         out[rs] += whole * reduce * frac
-        out[ag] += whole * frac
+        out[ag] += whole * (gather if st.dist_opt else 1) * frac
     elif not st.fsdp_per_block or st.stage == 2:
         out[rs] += (m if st.fsdp_per_block else 1) * whole * reduce * frac
         out[ag] += whole * gather * frac
