@@ -14,6 +14,11 @@ device check calibrates it (tools/plan.py --calibration device_check.json): 0.6 
 GPT runs reach ~52% of peak end to end, communication and bubble included), 0.5 on
 H100/H200 (GEMMs 65-75% of 989, FlashAttention-2 35-50% without Hopper-specific kernels).
 
+`host_gbps`: what a GPU's copies to and from pinned host memory reach, each way: PCIe
+Gen4 x16 (A100 nodes) ~25 GB/s, Gen5 (H100/H200) ~50. `host_adam_gparams`: how fast
+--optimizer-cpu-offload's host AdamW steps, 1e9 parameters per second per GPU (torch's
+fused CPU AdamW on ~12 cores of a 96-core, 8-GPU node): a guess until measured.
+
 `ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
 kernel (model/attention/block.py), not flash attention; on CPU it is 1.7x slower than
 torch's SDPA (docs/attention_grid.md). On a GPU it is unmeasured: 0.5 is a guess, to be
@@ -38,13 +43,16 @@ class GPU:
     gpus_per_node: int = 8
     efficiency: float = 0.6  # fraction of peak reached on hardware FLOPs
     ring_kernel_speed: float = 0.5  # the ring's attention kernel's speed over flash's
+    host_gbps: float = 25.0  # host link, GB/s per GPU each way (PCIe Gen4 x16 reaches ~25)
+    host_adam_gparams: float = 1.0  # host AdamW (fused, on the GPU's share of the CPU
+    # cores), 1e9 parameters/s: an assumption until measured
 
 
 GPUS = {g.name: g for g in (
     GPU("A100-40GB", 312.0, 40.0, 1555.0, 230.0, 23.0, efficiency=0.6),
     GPU("A100-80GB", 312.0, 80.0, 2039.0, 230.0, 23.0, efficiency=0.6),
-    GPU("H100", 989.0, 79.6, 3350.0, 370.0, 46.0, efficiency=0.5),
-    GPU("H200", 989.0, 140.4, 4800.0, 370.0, 46.0, efficiency=0.5),
+    GPU("H100", 989.0, 79.6, 3350.0, 370.0, 46.0, efficiency=0.5, host_gbps=50.0),
+    GPU("H200", 989.0, 140.4, 4800.0, 370.0, 46.0, efficiency=0.5, host_gbps=50.0),
 )}
 
 RESERVE_GIB = 4.0  # default: what the plan's tensors cannot use (CUDA context, NCCL buffers,

@@ -83,6 +83,10 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="fraction of peak reached on hardware FLOPs")
     g.add_argument("--ring-kernel-speed", type=float,
                    help="the ring attention kernel's speed relative to flash attention")
+    g.add_argument("--host-gbps", dest="host_gbps", type=float,
+                   help="host link, GB/s per GPU each way (--optimizer-cpu-offload's copies)")
+    g.add_argument("--host-adam-gparams", dest="host_adam_gparams", type=float,
+                   help="host AdamW speed, 1e9 parameters/s per GPU")
     return p
 
 

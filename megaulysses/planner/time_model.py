@@ -26,7 +26,10 @@ Time of one iteration, on the slowest of those stages:
   bubble     1f1b and gpipe: (pp - 1) micro-batch times; interleaved: (pp - 1)/chunks;
              zero-bubble: (pp - 1)/3.
   optimizer  AdamW reads parameter, gradient and two moments and writes three of them,
-             28 bytes a local fp32 parameter, at the HBM bandwidth.
+             28 bytes a local fp32 parameter, at the HBM bandwidth; with
+             --optimizer-cpu-offload, the host's share at `host_adam_gparams`, and its
+             rows over the host link (`host_gbps`) down and back (down hidden with
+             --overlap-cpu-optimizer-d2h-h2d).
 Each (group, kind) of the plan's communication bytes (exactly what comm.py counts) crosses
 the link its group spans on the mesh (pp, dp, cp, sp, tp; tp fastest): NVLink when the
 group is inside a node; otherwise InfiniBand, or for an all-to-all the share of its peers
@@ -136,7 +139,8 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     t_mb = compute_mb + exposed_mb + max(0.0, ring_mb - attention_mb)
     zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage)
     zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
-    optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9)
+    optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9) + _host_step(
+        cfg, plan, gpu)
     bubble = _bubble_micro_batches(cfg, dims) * t_mb
     return dict(time=m * t_mb + bubble + zero_s + optimizer, compute=m * compute_mb,
                 exposed=m * (t_mb - compute_mb) + zero_s, bubble=bubble, optimizer=optimizer,
@@ -171,6 +175,17 @@ def _adam_params(cfg: Config, plan: MemoryPlan) -> float:
     half = cfg.train.bf16 or cfg.train.fp16
     dist_opt = cfg.parallel.use_distributed_optimizer and half and plan.zero_stage <= 1
     return plan.optimizer_bytes / (12 if dist_opt else 8)
+
+
+def _host_step(cfg: Config, plan: MemoryPlan, gpu: GPU) -> float:
+    """--optimizer-cpu-offload: the gradient rows to the host, AdamW there, the updated
+    rows back. With --overlap-cpu-optimizer-d2h-h2d the copy down hides behind the
+    reductions still in flight; the host's step and the copy back do not."""
+    if not plan.host_bytes:
+        return 0.0
+    link = plan.host_link_bytes / (gpu.host_gbps * 1e9)
+    adam = plan.host_bytes / 16 / (gpu.host_adam_gparams * 1e9)  # 16 bytes a parameter
+    return adam + link * (1 if cfg.parallel.overlap_cpu_optimizer_d2h_h2d else 2)
 
 
 def _zero_seconds(comm_s: dict, stage: int) -> tuple[float, float]:

@@ -67,6 +67,9 @@ GRIDS = {  # world -> {name: flags}
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
         "dp2, distributed optimizer, bf16, none": ["--use-distributed-optimizer", "--bf16"],
+        "dp2, distributed optimizer, offload 0.5, bf16 gradients, none": [
+            "--use-distributed-optimizer", "--bf16", "--optimizer-cpu-offload",
+            "--optimizer-offload-fraction", "0.5", "--grad-reduce-in-bf16"],
         "tp2 + Megatron-SP, distributed optimizer, bf16 gradients, full": TP2 + [
             "--sequence-parallel", "--use-distributed-optimizer", "--grad-reduce-in-bf16",
             "--bf16"] + FULL,
@@ -129,7 +132,8 @@ def measured_peak(trainer) -> tuple[int, dict]:
         getattr(opt, "views", {}).values())
     held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
                          + states + own + [v for b in batches for v in b.values()]
-                         + _pipeline_buffers(trainer.pipeline))
+                         + _pipeline_buffers(trainer.pipeline),
+                         host=False)  # the device's: an offload's host copies apart
     gc.collect()
     trainer.comm.stats.pop()
     with LiveBytes() as mem:

@@ -68,4 +68,5 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         peak_bytes=sum(peak.values()), peak_moment=name, attention=_describe(s),
         moments={k: sum(v.values()) for k, v in moments.items()}, layer_terms=acts.terms,
         comm_bytes=bytes_by_kind(by_group), comm_by_group=by_group,
-        recomputed_layers=acts.rerun[0])
+        recomputed_layers=acts.rerun[0], host_bytes=states.host,
+        host_link_bytes=states.host_link)

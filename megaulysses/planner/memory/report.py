@@ -34,6 +34,8 @@ class MemoryPlan:
     comm_by_group: dict = field(default_factory=dict)  # (mesh dim, kind) -> bytes/iteration
     attention: str = ""  # the attention core the plan assumes, in words
     recomputed_layers: int = 0  # layers whose forward runs again per micro-batch (full)
+    host_bytes: int = 0  # on the host, beside the device (--optimizer-cpu-offload)
+    host_link_bytes: int = 0  # copied to the host and back per step, each way
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -57,6 +59,10 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"  activations kept per layer: {mib(plan.activation_bytes_per_layer)}"
                  + (f" (recomputed, a layer holds {mib(held)} in its backward: {terms})"
                     if held != plan.activation_bytes_per_layer else f" ({terms})"))
+    if plan.host_bytes:
+        lines.append(f"  host memory (--optimizer-cpu-offload): {mib(plan.host_bytes)}, not in "
+                     f"the peak; {mib(plan.host_link_bytes)} each way per step over the host "
+                     "link")
     if plan.comm_bytes:
         lines.append("  communication per iteration, MiB sent: " + ", ".join(
             f"{k} {mib(v)}" for k, v in plan.comm_bytes.items()))

@@ -19,7 +19,8 @@ along dim 0 into ceil(rows/N)-row pieces.
                 fp32 main weights and moments of the rows (3 x rows), and at the step
                 the main gradients' fp32 copy of the rows with a bf16 buffer; reduced
                 and gathered in place (no working set): Megatron-LM's 6 + 12/N and
-                4 + 16/N bytes per parameter
+                4 + 16/N bytes per parameter; --optimizer-cpu-offload moves its fraction
+                of the main weights, moments and main gradients to the host (`host`)
     reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
                 all all-reduces end, + P; stage 1: earlier buckets in flight, the last
                 one's gradients, padded pieces and their concatenation; at the step the
@@ -129,6 +130,7 @@ class _States:
                             if half and stage < 2 else 0)
         self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
         self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
+        self.host = self.host_link = 0  # bytes on the host, copied each way per step
         # Megatron-LM's distributed optimizer (parallel/dist_opt.py): 16-bit weights, a
         # gradient buffer in the reduce dtype, fp32 main weights and moments of the rows
         self.dist_opt = half and stage <= 1 and cfg.parallel.use_distributed_optimizer
@@ -140,6 +142,18 @@ class _States:
             # the main gradients: the buffer's own rows, or their fp32 copy
             self.main_grads = rows if self.reduce_e != F32 else 0
             self.gather_e = 2  # the updated weights are gathered in 16 bits
+            self._offload(cfg.parallel, rows, len(params))
+
+    def _offload(self, par, rows: int, tensors: int) -> None:
+        """--optimizer-cpu-offload (parallel/offload.py): that fraction of the main rows,
+        their moments and an fp32 copy of their gradient rows on the host; each step
+        moves the gradient rows there and the updated rows back, fp32 both ways."""
+        f = par.optimizer_offload_fraction if par.optimizer_cpu_offload else 0.0
+        host = int(f * rows)
+        self.host = 4 * host + F32 * int(f * tensors)  # main, moments, gradients; steps
+        self.host_link = 2 * host  # bytes a step copies each way
+        self.optimizer -= 3 * host + F32 * int(f * tensors)
+        self.main_grads -= host if self.main_grads else 0
 
     @property
     def fsdp_per_block(self) -> bool:
