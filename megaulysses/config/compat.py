@@ -35,9 +35,6 @@ _SWITCHES = {
                                   "(never the whole logits)"),
     "overlap_grad_reduce": ("Megatron-LM's overlapped gradient reduction",
                             "the bucketed gradient reduction already overlaps the backward"),
-    "overlap_param_gather": ("Megatron-LM's overlapped parameter all-gather",
-                             "ZeRO-1's all-gather of the updated parameters runs after the "
-                             "step, not yet overlapped with the next forward"),
     "manual_gc": ("Megatron-LM's manual garbage collection",
                   "Python's garbage collector runs as usual"),
     "log_throughput": ("Megatron-LM's throughput in the log line",
@@ -69,7 +66,6 @@ class CompatConfig:
     no_persist_layer_norm: bool = _switch("no_persist_layer_norm")
     cross_entropy_loss_fusion: bool = _switch("cross_entropy_loss_fusion")
     overlap_grad_reduce: bool = _switch("overlap_grad_reduce")
-    overlap_param_gather: bool = _switch("overlap_param_gather")
     manual_gc: bool = _switch("manual_gc")
     log_throughput: bool = _switch("log_throughput")
     use_pytorch_profiler: bool = _switch("use_pytorch_profiler")

@@ -11,7 +11,7 @@ from megaulysses.config.schema import Config
 def validate_optimizer(cfg: Config) -> None:
     """Megatron-LM's own rules for its distributed optimizer's flags, and the offload's."""
     par = cfg.parallel
-    require(not cfg.compat.overlap_param_gather or par.use_distributed_optimizer
+    require(not par.overlap_param_gather or par.use_distributed_optimizer
             or par.zero_stage > 0, "--overlap-param-gather",
             "needs the distributed optimizer (--use-distributed-optimizer, or --zero-stage 1 "
             "or more), as in Megatron-LM")

@@ -107,6 +107,11 @@ class ParallelConfig:
         choices=GRAD_REDUCE_DTYPES, after=(Flag(
             "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
             action="store_const", const="bf16"),))
+    overlap_param_gather: bool = option(
+        False, "with the distributed optimizer: each bucket's all-gather of the updated "
+        "weights runs while the next step's first forward reaches it (its forward waits "
+        "for it), not after the step; ZeRO-2/3 gather ahead of each block anyway",
+        action="store_true")
     optimizer_cpu_offload: bool = option(
         False, "with --use-distributed-optimizer: the fp32 main weights and Adam moments (of "
         "--optimizer-offload-fraction of the parameters) live and step on the host, in "

@@ -61,6 +61,7 @@ class _Bucket:
         self.grads = torch.zeros(ranks, section, dtype=dtype, device=device)  # [P, section]
         self.ready = 0
         self.work = None  # the reduce-scatter in flight
+        self.gather = None  # (slots, work): the updated weights' all-gather not yet copied
 
     def by_rank(self, p, shard: RowShard) -> torch.Tensor:
         """`p`'s `[P, padded rows]` slots of the buffer (a view)."""
@@ -104,7 +105,8 @@ class DistributedOptimizer(ShardedAdamW):
                  align: Optional[Callable[[torch.Tensor], None]] = None,
                  offload: Optional[float] = None, overlap: bool = False):
         """`offload`: --optimizer-offload-fraction under --optimizer-cpu-offload (None:
-        nothing on the host); `overlap`: --overlap-cpu-optimizer-d2h-h2d."""
+        nothing on the host); `overlap`: --overlap-cpu-optimizer-d2h-h2d. `attach` makes
+        the weights' all-gather overlap the next forward (--overlap-param-gather)."""
         self.comm, self.dtype, self.align = comm, dtype, align
         self.ranks, self.rank = comm.size(DIM), comm.rank(DIM)
         self.groups = [list(g["params"]) for g in groups]
@@ -124,6 +126,8 @@ class DistributedOptimizer(ShardedAdamW):
                                  for g in groups])
         self.main_grads: dict = {}  # param -> fp32 rows of its reduced gradient
         self.armed = False
+        self.deferred = False  # --overlap-param-gather: gathers finish in forward hooks
+        self.pending = False  # some bucket's gather is not copied into the weights yet
         if self.host.params:  # Adam's moments on the host from the start, marked as such
             self._materialize_state()
             self.host.mark_states(self.inner.state, self.views)
@@ -135,6 +139,8 @@ class DistributedOptimizer(ShardedAdamW):
     def _accumulate(self, p) -> None:
         """Autograd's gradient of `p` (16-bit) into the buffer; on the last backward, a
         bucket whose parameters are all in is reduce-scattered at once."""
+        if self.pending:  # a weight no forward used: its bucket's gather ends here
+            self.wait_all()
         if self.align is not None:
             self.align(p)
         bucket = self.bucket_of[p]
@@ -205,13 +211,14 @@ class DistributedOptimizer(ShardedAdamW):
         for p, main in self.views.items():
             main.grad = None
         self.main_grads.clear()  # the buffer's rows are overwritten by the gather next
-        self.publish()
+        self.publish(defer=self.deferred)
 
-    def publish(self) -> None:
+    def publish(self, defer: bool = False) -> None:
         """The main weights, rounded to 16 bits, into every rank's model weights: each
-        rank's rows gathered in the gradient buffer of their bucket."""
-        launched = []
-        for b in self.buckets:
+        rank's rows gathered in the gradient buffer of their bucket, launched in the
+        order the forward needs them. `defer`: each is finished (waited for and copied)
+        by the first forward that uses a weight of it, not here."""
+        for b in reversed(self.buckets):  # buckets are in backward order
             slots = b.scratch(self.dtype)  # [P, section] 16-bit
             for p in b.params:  # this rank's slot; its padding is never read back
                 off = b.offsets[p]
@@ -219,15 +226,47 @@ class DistributedOptimizer(ShardedAdamW):
                     self.views[p].reshape(-1), non_blocking=self.host.overlap)
             work = (self.comm.all_gather_flat(slots.view(-1), slots[self.rank], DIM,
                                               async_op=True) if self.ranks > 1 else None)
-            launched.append((b, slots, work))
-        for b, slots, work in launched:
-            if work is not None:
-                work.wait()
-            for p in b.params:
-                off = b.offsets[p]
-                _gather_into(_local(p).detach().view(-1),
-                             slots[:, off:off + self.shards[p].padded_numel])
-            b.grads.zero_()
+            b.gather = (slots, work)
+        self.pending = True
+        if not defer:
+            self.wait_all()
+
+    def _finish_gather(self, b: _Bucket) -> None:
+        slots, work = b.gather
+        b.gather = None
+        if work is not None:
+            work.wait()
+        for p in b.params:
+            off = b.offsets[p]
+            _gather_into(_local(p).detach().view(-1),
+                         slots[:, off:off + self.shards[p].padded_numel])
+        b.grads.zero_()
+
+    def wait_for(self, params) -> None:
+        """Before a forward uses `params`: their buckets' gathers finished."""
+        if self.pending:
+            for p in params:
+                b = self.bucket_of.get(p)
+                if b is not None and b.gather is not None:
+                    self._finish_gather(b)
+
+    def wait_all(self) -> None:
+        for b in reversed(self.buckets):
+            if b.gather is not None:
+                self._finish_gather(b)
+        self.pending = False
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """--overlap-param-gather: every module that holds weights waits, before its
+        forward, for its buckets' gathers only; the gathers run until then."""
+        self.deferred = True
+        uses = {m: list(m.parameters(recurse=False)) for m in model.modules()}
+        head, embed = getattr(model, "head", None), getattr(model, "embed", None)
+        if head is not None and head.output is None and embed is not None:
+            uses[head.norm].append(embed.word.weight)  # the tied output layer, used next
+        for m, own in uses.items():
+            if own:
+                m.register_forward_pre_hook(lambda _m, _a, own=own: self.wait_for(own))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -235,7 +274,8 @@ class DistributedOptimizer(ShardedAdamW):
             p.grad = None
         self.main_grads.clear()
         for b in self.buckets:
-            b.grads.zero_()
+            if b.gather is None:  # a gather in flight zeroes its bucket when copied
+                b.grads.zero_()
 
     # -- checkpoints: the main weights are the model's weights ------------------------------
 
@@ -275,6 +315,12 @@ def describe(cfg: RunConfig) -> str:
                 f"sharded over dp x sp = {n}): Megatron-LM's 8 + 8/{n} bytes per parameter")
     half = "bf16" if t.bf16 else "fp16"
     grad, e = ("bf16", 4 + 16 / n) if par.grad_reduce_dtype == "bf16" else ("fp32", 6 + 12 / n)
+    host = (f"; --optimizer-cpu-offload: main weights and moments of "
+            f"{par.optimizer_offload_fraction:g} of the parameters on the host"
+            if par.optimizer_cpu_offload else "")
+    gather = ("overlaps the next step's forward (--overlap-param-gather)"
+              if par.overlap_param_gather else "runs after the step")
     return (f"Megatron-LM's distributed optimizer: {half} weights, {grad} gradient buffer, "
             f"fp32 main weights and Adam moments sharded over dp x sp = {n}: {e:.2f} bytes "
-            "per parameter")
+            f"per parameter{host}. Overlapping compute: the gradients' reduce-scatter (the "
+            f"last backward); the 16-bit weights' all-gather {gather}")

@@ -101,7 +101,7 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     offload = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
-                       (offload, par.overlap_cpu_optimizer_d2h_h2d))
+                       (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather)
     return Parallelized(model, pipeline, zero, zero_stage)
 
 
@@ -143,7 +143,7 @@ def _micro_shape(cfg: RunConfig) -> tuple:
 
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
                 groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype],
-                offload: tuple = (None, False)) -> Zero:
+                offload: tuple = (None, False), overlap_gather: bool = False) -> Zero:
     """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
     in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage);
     `offload`: its (host fraction or None, overlapped copies) (offload.py)."""
@@ -158,6 +158,8 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
                                    make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph
             model.embed.word.weight.grad_sink = own.take
+        if overlap_gather:
+            own.attach(model)
     zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,
                 roots if stage >= 2 else [], align, optimizer=own)
     if pipeline is not None:

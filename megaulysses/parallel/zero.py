@@ -336,6 +336,11 @@ class Zero:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def settle(self) -> None:
+        """Nothing left in flight (--overlap-param-gather's last gathers, at the end)."""
+        if self.own is not None:
+            self.own.wait_all()
+
     def reshard(self) -> None:
         """Free parameters gathered outside training steps (evaluation, stage 2/3)."""
         for m in self._fsdp:

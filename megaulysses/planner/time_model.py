@@ -22,7 +22,8 @@ Time of one iteration, on the slowest of those stages:
   overlapped the ring's key/value passes hide behind the ring's attention compute (only
              what exceeds it shows); ZeRO's gradient reductions (and ZeRO-2/3's parameter
              gathers) hide behind the step's compute; ZeRO-1's all-gather after the
-             optimizer step does not.
+             optimizer step does not, unless --overlap-param-gather (the distributed
+             optimizer) runs it under the next step's forward.
   bubble     1f1b and gpipe: (pp - 1) micro-batch times; interleaved: (pp - 1)/chunks;
              zero-bubble: (pp - 1)/3.
   optimizer  AdamW reads parameter, gradient and two moments and writes three of them,
@@ -137,7 +138,8 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     exposed_mb = sum(s for (g, _), s in comm_s.items() if g in EXPOSED) / m
     ring_mb = sum(s for (g, _), s in comm_s.items() if g == CP) / m
     t_mb = compute_mb + exposed_mb + max(0.0, ring_mb - attention_mb)
-    zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage)
+    zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage,
+                                            cfg.parallel.overlap_param_gather)
     zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
     optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9) + _host_step(
         cfg, plan, gpu)
@@ -188,15 +190,16 @@ def _host_step(cfg: Config, plan: MemoryPlan, gpu: GPU) -> float:
     return adam + link * (1 if cfg.parallel.overlap_cpu_optimizer_d2h_h2d else 2)
 
 
-def _zero_seconds(comm_s: dict, stage: int) -> tuple[float, float]:
+def _zero_seconds(comm_s: dict, stage: int, overlap_gather: bool) -> tuple[float, float]:
     """(seconds the step's compute can hide, seconds it cannot) of dp x cp x sp's
     collectives: the gradient reductions overlap backward; ZeRO-2/3 gather parameters
-    ahead of their use; ZeRO-1 gathers the updated ones after the optimizer step."""
+    ahead of their use; ZeRO-1 gathers the updated ones after the optimizer step, unless
+    --overlap-param-gather runs them under the next forward."""
     hidden = shown = 0.0
     for (group, kind), s in comm_s.items():
         if group != DP_SP:
             continue
-        if kind == "all_gather" and stage == 1:
+        if kind == "all_gather" and stage == 1 and not overlap_gather:
             shown += s
         else:
             hidden += s

@@ -123,6 +123,7 @@ class Trainer:
         resumed = self.state.iteration
         try:
             last_eval, stopped = self._loop(writer, stop)
+            self.run.parts.zero.settle()  # an overlapped gather still in flight
             self._save_at_end(resumed, stopped)
         except TrainingError:
             if t.save:  # every rank stops at the same step: a save in flight completes

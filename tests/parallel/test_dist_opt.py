@@ -16,6 +16,8 @@ sharded over dp x sp.
    4, 8; with --optimizer-cpu-offload, 4 on the device and 16/dp on the host, apart.
 4. --optimizer-cpu-offload changes no number (exact), whatever the fraction, and its
    checkpoints load without it and the reverse.
+5. --overlap-param-gather changes no number (exact); the weights' gathers are still in
+   flight after the step and finished by the next forward's hooks.
 """
 
 import math
@@ -48,11 +50,15 @@ GRIDS = {
     # in fp32 before a bf16 reduction
     "bf16-dp4-grad-bf16": (["--bf16", "--grad-reduce-in-bf16"], False),
 }
-# --optimizer-cpu-offload on some of these grids: the same numbers as without, exactly
-OFFLOAD = {"bf16-tp2-dp2": ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"],
-           "fp16-sp2-dp2": ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
-           "bf16-pp2-dp2-zero-bubble": ["--optimizer-cpu-offload",
-                                        "--optimizer-offload-fraction", "0.3"]}
+# --optimizer-cpu-offload and --overlap-param-gather on some of these grids: the same
+# numbers as without, exactly
+GATHER = ["--overlap-param-gather"]
+VARIANTS = {"bf16-dp4": GATHER,
+            "bf16-tp2-dp2": GATHER + ["--optimizer-cpu-offload",
+                                      "--overlap-cpu-optimizer-d2h-h2d"],
+            "fp16-sp2-dp2": ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+            "bf16-pp2-dp2-zero-bubble": GATHER + ["--optimizer-cpu-offload",
+                                                  "--optimizer-offload-fraction", "0.3"]}
 # the dtype matrix's bf16 tolerances (tests/parallel/test_dtype_matrix.py), relative
 LOSS_RTOL, GRAD_NORM_RTOL = 5e-5, 1.5e-3
 
@@ -78,9 +84,9 @@ def runs(tmp_path_factory):
         for opt, opt_flags in (("do", DO), ("z1", Z1)):
             jobs.append(base + flags + opt_flags + [
                 "--metrics-jsonl", str(tmp / f"{name}-{opt}.jsonl")])
-    for name, flags in OFFLOAD.items():
+    for name, flags in VARIANTS.items():
         jobs.append(base + GRIDS[name][0] + DO + flags + [
-            "--metrics-jsonl", str(tmp / f"{name}-offload.jsonl")])
+            "--metrics-jsonl", str(tmp / f"{name}-variant.jsonl")])
     ckpt = tmp / "ckpt"
     save = ["--bf16", "--save-interval", "2"]
     jobs += [  # 3 steps saved at 2 under each optimizer; then resumed at 2 under each of
@@ -114,9 +120,34 @@ def test_equals_zero1(runs, name):
         assert math.isfinite(loss) and norm > 0
 
 
-@pytest.mark.parametrize("name", list(OFFLOAD))
-def test_optimizer_offload_changes_nothing(runs, name):
-    assert steps(runs / f"{name}-offload.jsonl") == steps(runs / f"{name}-do.jsonl")
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_offload_and_overlapped_gather_change_nothing(runs, name):
+    assert steps(runs / f"{name}-variant.jsonl") == steps(runs / f"{name}-do.jsonl")
+
+
+def gathers_in_flight(rank, world, args) -> tuple:
+    """After a step: are the weights' gathers still in flight; after a forward: done?"""
+    import torch
+    import megaulysses.training.step as tr
+    from megaulysses.config import parse_args
+    from megaulysses.training.trainer import Trainer
+    trainer = Trainer(parse_args(args))
+    opt, t = trainer.optimizer, trainer.cfg.train
+    tr.train_step(trainer.model, trainer.train_data.micro_batches(0), trainer.zero,
+                  trainer.scaler, t.clip_grad, trainer.device, trainer.dtype, trainer.comm)
+    after_step = [b.gather is not None for b in opt.buckets]
+    b = trainer.train_data.micro_batches(t.global_batch_size)[0]
+    with torch.no_grad(), tr.autocast(trainer.device, trainer.dtype):
+        trainer.model(b["tokens"], b["position_ids"], b["labels"])
+    return after_step, [b.gather is not None for b in opt.buckets]
+
+
+def test_param_gather_runs_until_the_forward_needs_it(tmp_path):
+    args = TINY + STEPS + DO + ["--bf16", "--overlap-param-gather", "--data-cache-path",
+                                str(tmp_path / "cache")]
+    for after_step, after_forward in run_ranks(gathers_in_flight, 2, args):
+        assert after_step and all(after_step)  # launched at the step, not waited for
+        assert not any(after_forward)  # the forward's hooks finished every one
 
 
 def test_offloaded_checkpoints_load_either_way(runs):
