@@ -93,7 +93,7 @@ def test_megatron_values_and_habits_are_accepted(tmp_path):
     for line in ("--use-mcore-models: accepted, no effect here (there is one GPT",
                  "--transformer-impl local: accepted, no effect here (it selects no kernels",
                  "--overlap-grad-reduce: accepted, no effect here (the bucketed gradient",
-                 "--use-distributed-optimizer: ZeRO stage 1 here"):
+                 "--use-distributed-optimizer: ZeRO-1 under fp32"):
         assert out.count(line) == 1, line
     for theirs, ours, to in (("--grad-reduce-in-bf16", "grad_reduce_dtype", "bf16"),
                              ("--use-distributed-optimizer", "zero_stage", 1)):
