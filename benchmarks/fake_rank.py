@@ -9,8 +9,8 @@ collective returns at once, its output buffers untouched) as each of `--ranks` o
 `--world` in turn, builds the real `Trainer` under `FakeTensorMode` (every tensor is
 shapes only), and runs exactly the trainer's `train_step`, the last of `--steps` inside
 `LiveBytes` (with `--steps 2` AdamW's states exist before it, as in a running job). It
-prints what the rank held before the step (parameters and buffers, optimizer states, its
-micro-batches) and
+prints what the rank held before the step (parameters and buffers, optimizer states and
+the distributed optimizer's main weights and gradient buffers, its micro-batches) and
 the peak bytes the step allocated on top, broken down by phase: "data" (token count, the
 batches moved), "forward" (what a forward keeps for backward, and its transients),
 "backward" (gradients, their temporaries), "optimizer" (gradient reduction buffers, the
@@ -99,11 +99,16 @@ def measure_step(trainer, steps: int = 1) -> dict:
                       trainer.zero, trainer.scaler, t.clip_grad, trainer.device, trainer.dtype,
                       trainer.comm, trainer.pipeline)
     batches = trainer.train_data.micro_batches((steps - 1) * t.global_batch_size)
-    optim_states = [v for s in trainer.optimizer.state.values() for v in s.values()
+    opt = trainer.optimizer
+    optim_states = [v for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
+    # the distributed optimizer's main weights and gradient buffers, held between steps
+    # too; what --optimizer-cpu-offload keeps on the host is not device memory
+    if hasattr(opt, "buckets"):  # (ZeRO-1's rows are views of the parameters)
+        optim_states += list(opt.views.values()) + [b.grads for b in opt.buckets]
     held = {"params": storage_bytes(list(trainer.model.parameters())
                                     + list(trainer.model.buffers())),
-            "optim": storage_bytes(optim_states),
+            "optim": storage_bytes(optim_states, host=False),
             "batches": storage_bytes(v for b in batches for v in b.values())}
     mem = LiveBytes(label="data")
     hooks = [trainer.model.register_forward_pre_hook(lambda *_: _set(mem, "forward"),

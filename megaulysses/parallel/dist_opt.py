@@ -75,6 +75,16 @@ class _Bucket:
         return flat[:self.grads.numel()].view(self.grads.shape)
 
 
+def _to_dtype(p: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    """`p` in `dtype`, the object kept. A DTensor's `.data =` would leave its local tensor
+    as it was: swapped whole instead (which a fake tensor's weak references refuse; plain
+    parameters, all that benchmarks/fake_rank.py measures here, take `.data =`)."""
+    if hasattr(p, "to_local"):
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype)))
+    else:
+        p.data = p.data.to(dtype)
+
+
 def _scatter_add(slots: torch.Tensor, flat: torch.Tensor) -> None:
     """slots [P, n] += the flat tensor cut into P pieces of n (the last ones shorter)."""
     n = slots.shape[1]
@@ -116,8 +126,8 @@ class DistributedOptimizer(ShardedAdamW):
         # fp32 main rows, from the fp32 initial (or loaded) weights, before those go 16-bit
         self.views = {p: self.host.main(p, self.shards[p].mine(_local(p).detach()))
                       for p in self.params}
-        for p in self.params:  # in place (`p.data =` would leave a DTensor's local fp32)
-            torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype)))
+        for p in self.params:  # in place: the same Parameter objects, now 16-bit
+            _to_dtype(p, dtype)
         device = _local(self.params[0]).device
         self.buckets = [_Bucket(b, self.shards, grad_dtype, device)
                         for b in _make_buckets(self.params, bucket_bytes / 2 ** 20)]

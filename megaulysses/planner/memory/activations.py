@@ -28,7 +28,8 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
     mlp norm     as attn norm
     mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
     mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
-    dropout      with --hidden-dropout: two fp32 masks, 2 * 4*T'*h
+    dropout      with --hidden-dropout: two masks, 2 * 4*T'*h on CPU (a float mask in the
+                 fp32 residual's dtype), 2 * T'*h on CUDA (the fused dropout's bool mask)
   --tiled-mlp-chunks N > 1: mlp norm, input and hidden give way to the MLP's input (the
     residual stream, 4*T'*h) that the per-chunk checkpoints keep.
   --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
@@ -71,7 +72,7 @@ class _Activations:
         self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
         self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
         if rank.first and s.hidden_dropout:
-            self.embedding += F32 * s.Tr * s.h
+            self.embedding += s.mask_e * s.Tr * s.h
         self.tied = (not cfg.model.untie_embeddings_and_output_weights and rank.first
                      and rank.last)
 
@@ -174,7 +175,7 @@ def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     else:
         t.update(_mlp_terms(s))
     if s.hidden_dropout:
-        t["dropout masks"] = 2 * F32 * s.Tr * s.h
+        t["dropout masks"] = 2 * s.mask_e * s.Tr * s.h
     return t
 
 

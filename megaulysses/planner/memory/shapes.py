@@ -116,6 +116,8 @@ class _Shape:
     kernel: str  # block | masked | ring | sdpa | fused | sdpa-math | math
     ce_rows: int  # rows of a cross-entropy chunk
     block: int = 64  # masked / ring: the kernel's block of query (and key) positions
+    mask_e: int = F32  # bytes of a dropout mask's element: CUDA's fused dropout keeps a
+    # bool mask, CPU's a mask in the input's dtype (the fp32 residual stream)
     keys: int = 0  # masked / ring: the most keys one query block attends in one call
     # (the ring: at its first step, the rank's own keys)
     keys_later: int = 0  # the ring's later steps: the most keys of another rank's
@@ -186,6 +188,7 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, cp=cp, mega_sp=mega_sp,
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
+                  mask_e=1 if device_type == "cuda" else F32,
                   qk_norm=m.qk_layernorm,
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
