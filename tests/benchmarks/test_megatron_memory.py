@@ -15,11 +15,8 @@ import megatron_memory as mm  # noqa: E402
 LLAMA3_8B_PARAMS = 8.03e9
 
 
-def test_gpt3_175b_example_fits_128_h100s():
-    script = os.path.join(ROOT, "examples", "megatron", "train_gpt3_175b_distributed.sh")
-    out = mm.dry_run([], {"DRY_RUN": "128", "DRY_RUN_GPU": "H100"}, script)
-    assert out["fits"].startswith("fits H100"), out["fits"]
-    assert out["plans"] and max(p["peak"] for p in out["plans"].values()) <= 80 * 1024
+def test_gpt3_175b_receive_buffers_are_those_in_flight():
+    """(The example's --dry-run on 128 H100s: tests/examples/test_megatron_scripts.py.)"""
     before, after = mm.receive_buffers()
     assert before > 140 and after < 0.1  # GiB: 1536 micro-batches' buffers -> in flight
 

@@ -17,10 +17,15 @@ def bash(script, *args, env=None, timeout=300):
 
 
 def test_gpt3_175b_script_dry_runs_on_128_ranks(tmp_path):
+    """... and fits 128 H100s: every pipeline rank <= 80 GiB (issue 29's target)."""
+    import re
     proc = bash("train_gpt3_175b_distributed.sh", str(tmp_path / "ck"), str(tmp_path / "tb"),
-                env={"DRY_RUN": "128"})
+                env={"DRY_RUN": "128", "DRY_RUN_GPU": "H100"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert "fits H100" in out
+    peaks = [float(m.replace(",", "")) for m in re.findall(r"  peak \([^)]*\)\s+([\d,.]+)", out)]
+    assert len(peaks) >= 2 and max(peaks) <= 80 * 1024  # MiB, per pipeline rank
     assert "dry run: world 128 = dp 1 x tp 8 x pp 16 x sp 1 x cp 1" in out
     assert "1536 micro-batches" in out and "fp16" in out
     assert "--rampup-batch-size with --train-iters" in out

@@ -13,7 +13,8 @@ sharded over dp x sp.
 3. Bytes: the peak model-state bytes per parameter during a step with gradient
    accumulation (2 micro-batches per rank), from the live-bytes tracker, are Megatron-LM's
    6 + 12/dp (fp32 gradients) and 4 + 16/dp (--grad-reduce-in-bf16) within 5%, at dp 2,
-   4, 8; with --optimizer-cpu-offload, 4 on the device and 16/dp on the host, apart.
+   4, 8; with --optimizer-cpu-offload (at dp 2), 4 on the device and 16/dp on the host,
+   apart.
 4. --optimizer-cpu-offload changes no number (exact), whatever the fraction, and its
    checkpoints load without it and the reverse.
 5. --overlap-param-gather changes no number (exact); the weights' gathers are still in
@@ -79,13 +80,13 @@ def steps(path) -> list:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist_opt")
     base = TINY + STEPS + ["--data-cache-path", str(tmp / "cache")]
-    jobs = []
+    jobs, two = [], ["--train-iters", "2"]  # the comparisons: 2 steps (the checkpoints: 3)
     for name, (flags, _) in GRIDS.items():
         for opt, opt_flags in (("do", DO), ("z1", Z1)):
-            jobs.append(base + flags + opt_flags + [
+            jobs.append(base + flags + opt_flags + two + [
                 "--metrics-jsonl", str(tmp / f"{name}-{opt}.jsonl")])
     for name, flags in VARIANTS.items():
-        jobs.append(base + GRIDS[name][0] + DO + flags + [
+        jobs.append(base + GRIDS[name][0] + DO + flags + two + [
             "--metrics-jsonl", str(tmp / f"{name}-variant.jsonl")])
     ckpt = tmp / "ckpt"
     save = ["--bf16", "--save-interval", "2"]
@@ -108,7 +109,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(GRIDS))
 def test_equals_zero1(runs, name):
     do, z1 = steps(runs / f"{name}-do.jsonl"), steps(runs / f"{name}-z1.jsonl")
-    assert len(do) == len(z1) == 3
+    assert len(do) == len(z1) == 2
     exact = GRIDS[name][1]
     for (loss, norm), (loss1, norm1) in zip(do, z1):
         if exact:
@@ -232,7 +233,7 @@ def test_bytes_per_parameter(tmp_path, dp):
     grads = {"fp32": [], "bf16": ["--grad-reduce-in-bf16"]}
     offload = ["--grad-reduce-in-bf16", "--optimizer-cpu-offload"]
     results = run_ranks(measure, dp, [base + flags for flags in grads.values()]
-                        + [base + offload])
+                        + ([base + offload] if dp == 2 else []))
     for i, grad in enumerate(grads):
         formula = 6 + 12 / dp if grad == "fp32" else 4 + 16 / dp
         peak = max(rank[i]["peak"] for rank in results)
@@ -241,6 +242,8 @@ def test_bytes_per_parameter(tmp_path, dp):
         assert peak == pytest.approx(formula, rel=0.05)
         assert peak >= formula * 0.999  # nothing the formula counts is missing
         assert max(rank[i]["host"] for rank in results) == 0
+    if dp != 2:
+        return
     # the optimizer on the host: weights and the bf16 buffer stay (4 bytes); main
     # weights, moments and the gradient rows' fp32 copy go (16/dp), apart
     device, host = (max(rank[2][k] for rank in results) for k in ("peak", "host"))
