@@ -322,7 +322,10 @@ def describe(cfg: RunConfig) -> str:
         return f"--zero-stage {par.zero_stage} stays (FSDP2: it shards more)"
     if not (t.bf16 or t.fp16):
         return (f"ZeRO-1 under fp32 (weights and gradients fp32 on every rank, Adam moments "
-                f"sharded over dp x sp = {n}): Megatron-LM's 8 + 8/{n} bytes per parameter")
+                f"sharded over dp x sp = {n}): Megatron-LM's 8 + 8/{n} bytes per parameter"
+                + ("; its all-gather after the step is not overlapped (--overlap-param-gather "
+                   "overlaps the 16-bit one of --bf16/--fp16)" if par.overlap_param_gather
+                   else ""))
     half = "bf16" if t.bf16 else "fp16"
     grad, e = ("bf16", 4 + 16 / n) if par.grad_reduce_dtype == "bf16" else ("fp32", 6 + 12 / n)
     host = (f"; --optimizer-cpu-offload: main weights and moments of "

@@ -138,8 +138,9 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     exposed_mb = sum(s for (g, _), s in comm_s.items() if g in EXPOSED) / m
     ring_mb = sum(s for (g, _), s in comm_s.items() if g == CP) / m
     t_mb = compute_mb + exposed_mb + max(0.0, ring_mb - attention_mb)
-    zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage,
-                                            cfg.parallel.overlap_param_gather)
+    par, half = cfg.parallel, cfg.train.bf16 or cfg.train.fp16
+    overlap_gather = par.overlap_param_gather and par.use_distributed_optimizer and half
+    zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage, overlap_gather)
     zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
     optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9) + _host_step(
         cfg, plan, gpu)

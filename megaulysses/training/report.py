@@ -153,18 +153,20 @@ def _log_line(rec: dict, train_iters: int, eta: str) -> None:
     comm = " | ".join(f"{k[len('comm_bytes_'):]} {v / 2**20:.1f} MiB/it"
                       for k, v in rec.items() if k.startswith("comm_bytes_"))
     decoupled = f" | decoupled lr {rec['decoupled_lr']:.3e}" if "decoupled_lr" in rec else ""
+    host = (f" (host {rec['mem_host_bytes'] / 2**20:.1f} MiB)" if "mem_host_bytes" in rec
+            else "")  # --optimizer-cpu-offload's
     norms = (f" | num zeros {rec['num_zeros']}" if "num_zeros" in rec else "") + (
         f" | params norm {rec['params_norm']:.3f}" if "params_norm" in rec else "")
     log.info("iteration %6d/%6d | samples %9d | global batch %5d | loss %.4f | lr %.3e%s | "
              "grad norm %.3f%s | %.0f ms/it | %.0f tokens/s | %.2f TFLOP/s/device | MFU %.1f%% | "
-             "skipped %d | mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s | ETA %s",
+             "skipped %d | mem peak %.2f GiB | states p/g/o %.1f/%.1f/%.1f MiB%s%s | ETA %s",
              rec["iteration"], train_iters, rec["consumed_samples"], rec["global_batch_size"],
              rec["loss"], rec["lr"], decoupled, rec["grad_norm"], norms,
              1e3 * rec["step_time_s"],
              rec["tokens_per_sec"], rec["tflops_per_device"], 100 * rec["mfu"],
              rec["skipped_iterations"], rec["mem_peak_gib"],
              *(rec.get(f"mem_{k}_bytes", 0) / 2**20 for k in ("params", "grads", "optim")),
-             f" | {comm}" if comm else "", eta)
+             host, f" | {comm}" if comm else "", eta)
 
 
 # --log-timers-to-tensorboard's timers: the step's phases (always written) and the

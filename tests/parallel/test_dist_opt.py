@@ -37,8 +37,6 @@ TP2, PP2, SP2 = (["--tensor-model-parallel-size", "2"], ["--pipeline-model-paral
 # name: (flags, exact?) on 4 ranks
 GRIDS = {
     "bf16-dp4": (["--bf16"], True),
-    "bf16-dp4-untied-recompute": (["--bf16", "--untie-embeddings-and-output-weights",
-                                   "--recompute-granularity", "full"], True),
     "bf16-tp2-dp2": (["--bf16"] + TP2, True),
     "bf16-pp2-dp2-zero-bubble": (["--bf16"] + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--num-layers-per-virtual-pipeline-stage", "1"],
