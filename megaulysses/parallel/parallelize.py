@@ -97,7 +97,9 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     if layout is not None:
         pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
                             _micro_shape(cfg), device, stages)
-    dist_opt = dtype if par.use_distributed_optimizer and zero_stage <= 1 else None
+    # Megatron-LM's distributed optimizer: 16-bit runs at stage <= 1 (under fp32: ZeRO-1)
+    dist_opt = (dtype if par.use_distributed_optimizer and zero_stage <= 1
+                and dtype != torch.float32 else None)
     offload = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
@@ -153,7 +155,7 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
         tp_mesh = comm.mesh(TP)
         align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
     own = None
-    if dist_opt is not None and dist_opt != torch.float32:
+    if dist_opt is not None:
         own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype, BUCKET_BYTES,
                                    make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph

@@ -265,6 +265,7 @@ class Zero:
                                        reduce_dtype=reduce_dtype, align=align)
         self.optimizer = optimizer or (ShardedAdamW(groups, comm, self.reducer, make_adamw)
                                        if stage == 1 else make_adamw(groups))
+        self._reduces = self.reducer or optimizer  # what arm() and finish() go to, if any
         self._fsdp = [m for root in fsdp_roots for m in root.modules()
                       if isinstance(m, FSDPModule)]
         self.peak: dict = {}  # most bytes held at the moments observed since pop_peak()
@@ -282,15 +283,15 @@ class Zero:
             self.before_last_backward()
 
     def before_last_backward(self) -> None:
-        if self.reducer is not None or self.own is not None:
-            (self.reducer or self.own).arm()
+        if self._reduces is not None:
+            self._reduces.arm()
         self.observe()  # parameters are gathered now (stage 2; stage 3: the last blocks)
 
     def finish_grads(self) -> None:
         """After the last backward: gradients reduced over dp x sp and in their
         parameters' tensor-parallel layout (FSDP did both already on stages 2 and 3)."""
-        if self.reducer is not None or self.own is not None:
-            (self.reducer or self.own).finish()
+        if self._reduces is not None:
+            self._reduces.finish()
             self.observe()  # the reduced gradients exist beside the buffers now
         elif self.stage <= 1 and self.align is not None:
             for p in self.params:
