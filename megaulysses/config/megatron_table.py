@@ -119,7 +119,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                   "recomputed layers: memory only, same math"),
     "--recompute-modules": (REFUSED, "recomputing chosen modules (--recompute-granularity "
                                      "selective recomputes the core attention here)"),
-    "--cpu-offloading-num-layers": (REFUSED, "activation offload to CPU"),
     "--no-clone-scatter-output-in-embedding": (NO_EFFECT, "a memory detail of Megatron-LM's "
                                                           "embedding: same values"),
     "--iterations-to-skip": (REFUSED, "skipping chosen iterations"),

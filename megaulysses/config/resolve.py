@@ -70,7 +70,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                     attention_backend=MEGATRON_ATTENTION.get(backend, backend))
     check_grid(dims, model, train.global_batch_size, train.micro_batch_size,
                parallel.tp_sequence_parallel, parallel.pipeline_schedule,
-               memory.tiled_mlp_chunks)
+               memory.tiled_mlp_chunks, memory.attention_head_groups)
     check_ring(dims, model)
     check_profile_ranks(cfg.log, world_size)
     log = replace(cfg.log, wandb_save_dir=wandb_save_dir(cfg.log, t.save))

@@ -12,6 +12,7 @@ from typing import Optional
 
 from megaulysses.config.errors import ConfigError, require
 from megaulysses.config.grid import ParallelDims
+from megaulysses.config.rules_memory import check_head_groups, check_offload
 from megaulysses.config.rules_optim import validate_optimizer
 from megaulysses.config.rules_rope import validate_rope
 from megaulysses.config.schedule import (check_micro_batches, check_schedule_flags,
@@ -186,10 +187,11 @@ def _validate_memory(mem: MemoryConfig, layout: list[list[int]]):
                         ("--recompute-num-layers", mem.recompute_num_layers)):
         require(value is None or full, flag, "needs --recompute-granularity full "
                  f"(got {mem.recompute_granularity or 'no recomputation'})")
+    fewest = min(len(stage) for stage in layout if stage)
+    check_offload(mem, fewest)  # rules_memory.py
     if not full:
         return
     layers = mem.recompute_num_layers or 1
-    fewest = min(len(stage) for stage in layout if stage)
     require(layers <= fewest, "--recompute-num-layers",
             f"{layers} is more than the {fewest} layers of a pipeline stage (it counts "
             "layers per stage)")
@@ -292,7 +294,8 @@ def _validate_tokenizer(d: DataConfig):
 
 def check_grid(dims: ParallelDims, m: ModelConfig, global_batch_size: int,
                micro_batch_size: int, sequence_parallel: bool = False,
-               pipeline_schedule: str = "1f1b", tiled_mlp_chunks: int = 1) -> None:
+               pipeline_schedule: str = "1f1b", tiled_mlp_chunks: int = 1,
+               head_groups: int = 1) -> None:
     """Rules that depend on the grid and the model together (one message each).
     `sequence_parallel`: Megatron-SP in effect."""
     sp_flag, tp_flag = "--ds-sequence-parallel-size", "--tensor-model-parallel-size"
@@ -327,6 +330,7 @@ def check_grid(dims: ParallelDims, m: ModelConfig, global_batch_size: int,
         raise ConfigError("--tiled-mlp-chunks", f"{tiled_mlp_chunks} must divide the "
                           f"local sequence of {local} tokens (--seq-length / sp / cp"
                           f"{' / tp under --sequence-parallel' if sequence_parallel else ''})")
+    check_head_groups(dims, m, head_groups)  # rules_memory.py
     if global_batch_size % (micro_batch_size * dims.dp):
         raise ConfigError("--global-batch-size", f"{global_batch_size} must be divisible "
                           f"by --micro-batch-size * dp = {micro_batch_size}*{dims.dp}")

@@ -150,6 +150,16 @@ class MemoryConfig:
     tiled_mlp_chunks: int = option(
         1, "run each MLP over the local sequence in this many chunks, recomputed in backward: "
         "its [tokens, ffn] intermediates exist for one chunk at a time", kind="positive")
+    cpu_offloading_num_layers: int = option(
+        0, "with --recompute-granularity full: the inputs that recomputation keeps of the "
+        "groups starting in the first N layers of each pipeline stage go to (pinned) host "
+        "memory once forward has used them, and come back one group ahead of their "
+        "recomputation (default 0: none)", kind="int")
+    attention_head_groups: int = option(
+        1, "run each layer's attention (under Ulysses: the all-to-alls and the core) for "
+        "this many groups of the rank's heads one after another, each recomputed in "
+        "backward: the whole-sequence q, k, v and output exist for one group at a time; "
+        "must divide the heads a rank attends over", kind="positive")
     dry_run: bool = option(
         False, "validate every flag, build the model on the meta device, print the per-rank "
         "memory plan and communication bytes, exit 0 without allocating the model or training",

@@ -82,7 +82,8 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     apply_context_parallel(model, comm)  # 3
     apply_ulysses(model, comm)
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
-                    mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1)
+                    mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1,
+                    offload_layers=mem.cpu_offloading_num_layers)
     apply_tiled_mlp(model, mem.tiled_mlp_chunks)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     if zero_stage >= 2:  # 5

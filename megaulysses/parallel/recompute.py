@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from megaulysses.parallel.activation_offload import Held, HostStash
 from megaulysses.parallel.ulysses import UlyssesAttention
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 
 
 def apply_recompute(model: GPT, granularity: Optional[str], method: Optional[str] = None,
-                    num_layers: Optional[int] = None, early_stop: bool = True) -> GPT:
+                    num_layers: Optional[int] = None, early_stop: bool = True,
+                    offload_layers: int = 0) -> GPT:
     """Make backward recompute what `granularity` says (None: nothing). In place.
 
     `early_stop`: a group's recomputation may stop once it has made every tensor backward
@@ -48,7 +50,11 @@ def apply_recompute(model: GPT, granularity: Optional[str], method: Optional[str
     parallelism, a recomputation stopped inside the nested checkpoints leaves DTensor's
     pending collectives un-waited, whose buffers then keep every layer's recomputed
     attention alive until the step ends (measured: 1.3-1.7x the peak; fake process groups
-    do not show it, their collectives finish at once)."""
+    do not show it, their collectives finish at once).
+
+    `offload_layers` (--cpu-offloading-num-layers, full only): the inputs kept by the groups
+    that start in the first `offload_layers` layers of a stage wait in host memory
+    (parallel/activation_offload.py)."""
     if granularity == "selective":
         for block in model.layers.values():
             holder = block.attn.core if isinstance(block.attn.core, UlyssesAttention) \
@@ -58,7 +64,7 @@ def apply_recompute(model: GPT, granularity: Optional[str], method: Optional[str
         # The GPT's own loop over layers, replaced on this instance (pipeline stages call it
         # with their layers): the groups are cut from whatever layers one call runs.
         model.run_layers = partial(_run_layers, model, method or "uniform", num_layers or 1,
-                                   early_stop)
+                                   early_stop, offload_layers)
     return model
 
 
@@ -83,21 +89,30 @@ def layer_groups(n: int, method: str, num_layers: int) -> list[tuple[int, int, b
     return [(a, a + 1, True) for a in range(k)] + ([(k, n, False)] if k < n else [])
 
 
-def _run_layers(model, method: str, num_layers: int, early_stop: bool, x, position_ids,
-                layers, documents=None):
+def _run_layers(model, method: str, num_layers: int, early_stop: bool, offload_layers: int,
+                x, position_ids, layers, documents=None):
     layers = list(layers)
     rotary = model.rotary(position_ids)  # shared by every group, kept once
     mask = model.attention_mask(documents)
+    stash = HostStash(x.device) if offload_layers else None  # this forward's host copies
 
     def run(first: int, end: int, h):  # [b, s, h] -> [b, s, h]
         for layer in layers[first:end]:
             h = layer(h, rotary, mask)
         return h
 
+    def run_held(first: int, end: int, held: Held):  # the input from wherever it is now
+        return run(first, end, held.get())
+
     for first, end, recomputed in layer_groups(len(layers), method, num_layers):
-        if recomputed and torch.is_grad_enabled():
-            with set_checkpoint_early_stop(early_stop):
-                x = checkpoint(run, first, end, x, use_reentrant=False)
-        else:
+        if not (recomputed and torch.is_grad_enabled()):
             x = run(first, end, x)
+            continue
+        with set_checkpoint_early_stop(early_stop):
+            if first < offload_layers:  # the checkpoint keeps `held`, not the tensor
+                held = stash.hold(x)
+                x = checkpoint(run_held, first, end, held, use_reentrant=False)
+                held.offload()
+            else:
+                x = checkpoint(run, first, end, x, use_reentrant=False)
     return x

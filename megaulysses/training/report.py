@@ -111,9 +111,14 @@ def _log_memory(run: Run) -> None:
     recompute = {None: "off", "selective": "selective (the attention core)",
                  "full": f"full ({mem.recompute_method}, {mem.recompute_num_layers} "
                          f"layer{'s' if mem.recompute_num_layers != 1 else ''})"}
-    log.info("memory: recomputation %s; MLP %s", recompute[mem.recompute_granularity],
+    offload = (f"the inputs kept for the first {mem.cpu_offloading_num_layers} layers of "
+               "each stage offloaded to host" if mem.cpu_offloading_num_layers else
+               "no activation offload")
+    heads = (f"attention by {mem.attention_head_groups} groups of heads"
+             if mem.attention_head_groups > 1 else "attention heads in one group")
+    log.info("memory: recomputation %s; MLP %s; %s; %s", recompute[mem.recompute_granularity],
              f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
-             else "not tiled")
+             else "not tiled", offload, heads)
     log.info("%s", format_plan(plan_memory(run.cfg, run.cfg.dims, run.comm.rank(PP),
                                            run.device.type, cp_rank=run.comm.rank(CP))))
 
