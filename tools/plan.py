@@ -42,7 +42,9 @@ GRID_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-s
               "--context-parallel-size": "cp", "--zero-stage": "zero",
               "--recompute-granularity": "recompute", "--recompute-activations": "recompute",
               "--tiled-mlp-chunks": "tiles", "--micro-batch-size": "micro_batch",
-              "--sequence-parallel": "megatron_sp", "--use-distributed-optimizer": "dist_opt"}
+              "--sequence-parallel": "megatron_sp", "--use-distributed-optimizer": "dist_opt",
+              # given, offload is searched on every layer of a stage
+              "--cpu-offloading-num-layers": "offload", "--attention-head-groups": "head_groups"}
 
 
 class PlanError(Exception):
@@ -154,7 +156,9 @@ def _fixed(rest: list, cfg) -> dict:
                   sp=par.ds_sequence_parallel_size, cp=par.context_parallel_size,
                   zero=par.zero_stage, recompute=mem.recompute_granularity or "none",
                   tiles=mem.tiled_mlp_chunks, micro_batch=cfg.train.micro_batch_size,
-                  megatron_sp=par.tp_sequence_parallel, dist_opt=par.use_distributed_optimizer)
+                  megatron_sp=par.tp_sequence_parallel, dist_opt=par.use_distributed_optimizer,
+                  offload=mem.cpu_offloading_num_layers > 0,
+                  head_groups=mem.attention_head_groups)
     return {k: values[k] for k in given}
 
 

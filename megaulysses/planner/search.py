@@ -1,7 +1,9 @@
 """Every grid of a model on N GPUs, checked and predicted; the fastest that fit first.
 
 A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
-(none, selective, full, full with the MLP tiled by 4) and the micro-batch. Each is checked
+(none, selective, full, full with the MLP tiled by 4; for long sequences full with the
+inputs offloaded to host, the MLP by 4 or 16 and attention by 1, 2 or 4 groups of heads)
+and the micro-batch. Each is checked
 by the trainer's own rules (`config.validate`, `config.resolve`): a grid the
 trainer would refuse is rejected with the trainer's message. With tp > 1 Megatron-SP
 (--sequence-parallel) is searched both ways unless the flags hold it, and shown in the
@@ -24,11 +26,14 @@ from megaulysses.config import Config, ConfigError, RunConfig, resolve, validate
 from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.planner.time_model import Prediction, predict
 
-LEVELS = (("none", 1), ("selective", 1), ("full", 1), ("full", 4))  # (recompute, MLP tiles)
+# (recompute, MLP tiles, activation offload, attention head groups), lightest first
+LEVELS = (("none", 1, False, 1), ("selective", 1, False, 1), ("full", 1, False, 1),
+          ("full", 4, False, 1), ("full", 4, True, 1), ("full", 16, True, 1),
+          ("full", 16, True, 2), ("full", 16, True, 4))
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
 FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp",
-          "dist_opt")
+          "dist_opt", "offload", "head_groups")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class Grid:
     micro_batch: int
     megatron_sp: bool = False  # --sequence-parallel: Megatron's sequence parallelism in tp
     dist_opt: bool = False  # --use-distributed-optimizer (with zero 1)
+    offload: int = 0  # --cpu-offloading-num-layers (the planner offloads a whole stage)
+    head_groups: int = 1  # --attention-head-groups
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this grid."""
@@ -55,6 +62,8 @@ class Grid:
         out += ["--sequence-parallel"] if self.megatron_sp else []
         out += ["--use-distributed-optimizer"] if self.dist_opt else []
         out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
+        out += ["--cpu-offloading-num-layers", str(self.offload)] if self.offload else []
+        out += ["--attention-head-groups", str(self.head_groups)] if self.head_groups > 1 else []
         return out + (["--tiled-mlp-chunks", str(self.tiles)] if self.tiles > 1 else [])
 
     def __str__(self) -> str:
@@ -62,7 +71,9 @@ class Grid:
                 f"{'Megatron-SP, ' if self.megatron_sp else ''}"
                 f"{'distributed optimizer' if self.dist_opt else f'ZeRO-{self.zero}'}, "
                 f"recompute {self.recompute}"
-                f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}, "
+                f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}"
+                f"{', activations offloaded' if self.offload else ''}"
+                f"{f', head groups {self.head_groups}' if self.head_groups > 1 else ''}, "
                 f"micro-batch {self.micro_batch}")
 
 
@@ -110,7 +121,8 @@ def configure(base: Config, grid: Grid) -> RunConfig:
                   pipeline_model_parallel_size=grid.pp, ds_sequence_parallel_size=grid.sp,
                   context_parallel_size=grid.cp, tp_sequence_parallel=grid.megatron_sp,
                   zero_stage=grid.zero, use_distributed_optimizer=grid.dist_opt)
-    mem = replace(base.memory, tiled_mlp_chunks=grid.tiles,
+    mem = replace(base.memory, tiled_mlp_chunks=grid.tiles, attention_head_groups=grid.head_groups,
+                  cpu_offloading_num_layers=grid.offload,
                   recompute_granularity=None if grid.recompute == "none" else grid.recompute,
                   recompute_method=(base.memory.recompute_method or "uniform") if full else None,
                   recompute_num_layers=(base.memory.recompute_num_layers or 1) if full else None)
@@ -191,15 +203,18 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     levels and ZeRO stages (the module doc's order)."""
     dp, tp, pp, sp, cp = shape
     stages = _stages(base, dp * cp * sp, fixed)
-    levels = [(r, t) for r, t in LEVELS
-              if fixed.get("recompute", r) == r and fixed.get("tiles", t) == t]
+    levels = [level for level in LEVELS if all(fixed.get(k, v) == v for k, v in zip(
+        ("recompute", "tiles", "offload", "head_groups"), level))]  # offload: fixed as bool
     if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
-        levels = [(r, fixed["tiles"]) for r in ("none", "selective", "full")
-                  if fixed.get("recompute", r) == r]
+        levels = [(r, fixed["tiles"], o, g) for r, _, o, g in LEVELS
+                  if fixed.get("recompute", r) == r and fixed.get("offload", o) == o
+                  and fixed.get("head_groups", g) == g]
+        levels = list(dict.fromkeys(levels))
     fits, rejected, limit, tried = [], [], len(stages), 0
-    for recompute, tiles in levels:
+    for recompute, tiles, offload, groups in levels:
         for i, (zero, dist_opt) in enumerate(stages[:limit]):
-            grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp, dist_opt)
+            grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp, dist_opt,
+                        base.model.num_layers // pp if offload else 0, groups)
             c = evaluate(base, grid, gpu, reserve_gib)
             tried += 1
             if c.kind == "fits":
@@ -234,4 +249,5 @@ def _depends_on_level(c: Candidate) -> bool:
     """A rule that another recomputation level or ZeRO stage could still satisfy (else
     the shape itself is invalid, counted once)."""
     return c.reason.split(":")[0] in ("--recompute-num-layers", "--tiled-mlp-chunks",
-                                      "--zero-stage")
+                                      "--zero-stage", "--attention-head-groups",
+                                      "--cpu-offloading-num-layers")

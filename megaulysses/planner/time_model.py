@@ -26,6 +26,9 @@ Time of one iteration, on the slowest of those stages:
              optimizer) runs it under the next step's forward.
   bubble     1f1b and gpipe: (pp - 1) micro-batch times; interleaved: (pp - 1)/chunks;
              zero-bubble: (pp - 1)/3.
+  offload    --cpu-offloading-num-layers: each offloaded input crosses the host link
+             (`host_gbps`) down during the forward and back during backward; only what
+             exceeds that phase's compute shows (`_offload_seconds`).
   optimizer  AdamW reads parameter, gradient and two moments and writes three of them,
              28 bytes a local fp32 parameter, at the HBM bandwidth; with
              --optimizer-cpu-offload, the host's share at `host_adam_gparams`, and its
@@ -144,9 +147,11 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
     optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9) + _host_step(
         cfg, plan, gpu)
-    bubble = _bubble_micro_batches(cfg, dims) * t_mb
-    return dict(time=m * t_mb + bubble + zero_s + optimizer, compute=m * compute_mb,
-                exposed=m * (t_mb - compute_mb) + zero_s, bubble=bubble, optimizer=optimizer,
+    offload = m * _offload_seconds(plan, gpu, compute_mb)
+    bubble = _bubble_micro_batches(cfg, dims) * (t_mb + offload / m)
+    return dict(time=m * t_mb + offload + bubble + zero_s + optimizer, compute=m * compute_mb,
+                exposed=m * (t_mb - compute_mb) + offload + zero_s, bubble=bubble,
+                optimizer=optimizer,
                 flops=m * work["total"], comm_s=comm_s)
 
 
@@ -189,6 +194,18 @@ def _host_step(cfg: Config, plan: MemoryPlan, gpu: GPU) -> float:
     link = plan.host_link_bytes / (gpu.host_gbps * 1e9)
     adam = plan.host_bytes / 16 / (gpu.host_adam_gparams * 1e9)  # 16 bytes a parameter
     return adam + link * (1 if cfg.parallel.overlap_cpu_optimizer_d2h_h2d else 2)
+
+
+def _offload_seconds(plan: MemoryPlan, gpu: GPU, compute_mb: float) -> float:
+    """--cpu-offloading-num-layers, per micro-batch: what of the copies over the host link
+    (`host_gbps`) the compute does not hide. The inputs go down while the forward runs
+    (each behind the next group's forward) and come back while recomputation and backward
+    run (each one group ahead): under full recomputation the forward is ~1/4 of a
+    micro-batch's compute (forward, forward again, backward twice), the rest ~3/4."""
+    if not plan.offload_link_bytes:
+        return 0.0
+    copy = plan.offload_link_bytes / plan.micro_batches / (gpu.host_gbps * 1e9)  # each way
+    return max(0.0, copy - compute_mb / 4) + max(0.0, copy - 3 * compute_mb / 4)
 
 
 def _zero_seconds(comm_s: dict, stage: int, overlap_gather: bool) -> tuple[float, float]:

@@ -14,20 +14,23 @@ class _RMSNorm(torch.autograd.Function):
     dx = rstd * (g*w - x_hat * mean(g*w * x_hat)),  dw = sum over tokens of g * x_hat.
 
     (nn.RMSNorm's forward is fused, but its backward is autograd's composite formula,
-    about twice the passes and temporaries.)
+    about twice the passes and temporaries.) Backward keeps the input x, not x_hat, and
+    recomputes x_hat = x * rstd (the same op, the same values): x is the residual stream,
+    which something else usually holds anyway (a recomputed group's input, the tiled
+    MLP's checkpoint), so the norm adds only rstd to what a layer keeps.
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):  # x [..., h], weight [h]
         sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()  # sum(x^2) [..., 1]
         rstd = sq.div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1]
-        x_hat = x * rstd
-        ctx.save_for_backward(x_hat, weight, rstd)
-        return x_hat * weight
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).mul_(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        x_hat, weight, rstd = ctx.saved_tensors
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x * rstd
         dw = (grad * x_hat).sum(dim=tuple(range(grad.dim() - 1)))  # [h]
         gw = grad * weight
         dot = (gw * x_hat).mean(dim=-1, keepdim=True)  # [..., 1]

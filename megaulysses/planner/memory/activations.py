@@ -34,7 +34,9 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
     residual stream, 4*T'*h) that the per-chunk checkpoints keep.
   --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
     block: the first --recompute-num-layers layers of a stage one by one, the rest keep
-    everything.
+    everything. --cpu-offloading-num-layers N: the inputs of the groups starting in the
+    first N layers of a stage are in host memory instead (`host`); a group's backward
+    then also holds the previous group's input, prefetched.
 Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
 computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps
 the final norm (4*T'*h), the loss's input (e*T*h; under autocast also its e-byte copy of
@@ -63,6 +65,7 @@ class _Activations:
         self.layers = rank.layers
         self.recomputed = 0  # full: the most a group's recomputation adds to what is kept
         self.rerun = (0, 0)  # full: (layers, groups) whose forward runs again
+        self.host = 0  # full, --cpu-offloading-num-layers: group inputs in host memory
         self.layers_kept = sum(self.terms.values()) * self.layers
         if self.recompute == "full":
             self._full_recompute(mem)
@@ -82,15 +85,20 @@ class _Activations:
         (and groups) run forward again."""
         from megaulysses.parallel.recompute import layer_groups
         layer = sum(self.terms.values())  # what a layer holds while recomputed
+        x = F32 * self.s.Tr * self.s.h  # a group's input
         self.layers_kept, layers, groups = 0, 0, 0
         for n in (n for n in self.rank.stage_layers if n):
             cut = layer_groups(n, mem.recompute_method, mem.recompute_num_layers)
-            kept = [F32 * self.s.Tr * self.s.h if again else (end - a) * layer
-                    for a, end, again in cut]
-            # A group's backward: the groups before it keep theirs, it holds all again.
-            worst = max(sum(kept[:i]) + (end - a) * layer for i, (a, end, _) in enumerate(cut))
+            host = [again and a < mem.cpu_offloading_num_layers for a, _, again in cut]
+            kept = [0 if off else x if again else (end - a) * layer
+                    for off, (a, end, again) in zip(host, cut)]
+            # A group's backward: the groups before it keep theirs, it holds all again, and
+            # the input of the previous group, if offloaded, is on its way back (prefetch).
+            worst = max(sum(kept[:i]) + (end - a) * layer + (x if i and host[i - 1] else 0)
+                        for i, (a, end, _) in enumerate(cut))
             self.recomputed = max(self.recomputed, worst - sum(kept))
             self.layers_kept += sum(kept)
+            self.host += x * sum(host)
             layers += sum(end - a for a, end, again in cut if again)
             groups += sum(1 for *_, again in cut if again)
         self.rerun = (layers, groups)

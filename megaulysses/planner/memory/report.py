@@ -36,6 +36,8 @@ class MemoryPlan:
     recomputed_layers: int = 0  # layers whose forward runs again per micro-batch (full)
     host_bytes: int = 0  # on the host, beside the device (--optimizer-cpu-offload)
     host_link_bytes: int = 0  # copied to the host and back per step, each way
+    offload_bytes: int = 0  # activations in host memory at the peak (--cpu-offloading-*)
+    offload_link_bytes: int = 0  # activations copied to the host and back per step, each way
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -63,6 +65,10 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  host memory (--optimizer-cpu-offload): {mib(plan.host_bytes)}, not in "
                      f"the peak; {mib(plan.host_link_bytes)} each way per step over the host "
                      "link")
+    if plan.offload_bytes:
+        lines.append(f"  host memory (--cpu-offloading-num-layers): {mib(plan.offload_bytes)} "
+                     f"of activations, not in the peak; {mib(plan.offload_link_bytes)} each "
+                     "way per step over the host link")
     if plan.comm_bytes:
         lines.append("  communication per iteration, MiB sent: " + ", ".join(
             f"{k} {mib(v)}" for k, v in plan.comm_bytes.items()))
