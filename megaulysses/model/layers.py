@@ -3,6 +3,8 @@ embedding: rope.py)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,6 +38,33 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(device):
         return w.to(torch.get_autocast_dtype(device))
     return w
+
+
+def shared_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """For an fp32 `x` that several linears read under autocast: a function giving each its
+    own handle on ONE rounded copy. Autocast would round x once per linear, and each linear
+    would keep its own copy for backward (three [T, h] copies for q, k and v); here they
+    share one. Each handle is a separate autograd node whose gradient goes back to x in
+    fp32, so the linears' input gradients still sum in fp32, as with autocast's copies:
+    the same values, bit for bit."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype != torch.float32:
+        return lambda: x
+    low = x.detach().to(torch.get_autocast_dtype(device))
+    return lambda: _Rounded.apply(x, low)
+
+
+class _Rounded(torch.autograd.Function):
+    """`low` (x rounded, made once) as a use of x: the gradient goes to x in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
 
 
 class _ToSink(torch.autograd.Function):
@@ -129,7 +158,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
         if self.swiglu:
-            y = F.silu(self.gate(x)) * self.fc1(x)  # [b, s, f]
+            use = shared_input(x)  # one 16-bit copy of x for gate and fc1, not two
+            y = F.silu(self.gate(use())) * self.fc1(use())  # [b, s, f]
         else:
             y = F.gelu(self.fc1(x), approximate="tanh")
         return self.fc2(y)  # [b, s, h]

@@ -26,7 +26,8 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  core's saved output: SDPA's, the block kernel's and the ring's, all laid
                  out [b, s, h, d], contiguous)
     mlp norm     as attn norm
-    mlp input    as attn input, for fc1 and gate (2 copies under autocast; GeLU: 1)
+    mlp input    as attn input, for fc1 and gate: one copy under autocast, which they
+                 share (layers.shared_input)
     mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
     dropout      with --hidden-dropout: two masks, 2 * 4*T'*h on CPU (a float mask in the
                  fp32 residual's dtype), 2 * T'*h on CUDA (the fused dropout's bool mask)
@@ -208,7 +209,7 @@ def _linear_input(s: _Shape, linears: int) -> int:
 
 
 def _mlp_terms(s: _Shape) -> dict:
-    return {"mlp norm": _norm(s), "mlp input": _linear_input(s, 2 if s.swiglu else 1),
+    return {"mlp norm": _norm(s), "mlp input": _linear_input(s, 1),  # gate and fc1 share one copy
             "mlp hidden": (4 if s.swiglu else 2) * s.e * s.T * s.f}
 
 
