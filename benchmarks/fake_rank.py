@@ -133,8 +133,11 @@ def measure_step(trainer, steps: int = 1) -> dict:
         tr._finish_grads_and_step = finish
         for h in hooks:
             h.remove()
+    # host memory (never in the peak): offloaded optimizer states, the most activations
+    # --cpu-offloading-num-layers had on the host at once
+    host = storage_bytes(optim_states, host=True) + mem.host_peak
     return {"held": held, "peak": mem.peak, "by_phase": dict(mem.peak_by_label),
-            "after": after, "seconds": seconds}
+            "after": after, "seconds": seconds, "host": host}
 
 
 def _set(mem, label):
@@ -309,7 +312,7 @@ def describe(kind: str, rank: int, r: dict) -> list:
                       if r["by_phase"].get(p))
     return [kind, rank, _mib(r["held"]["params"]), _mib(r["held"]["optim"]),
             _mib(r["held"]["batches"]),
-            _mib(r["peak"]), phases, _mib(held + r["peak"]),
+            _mib(r["peak"]), phases, _mib(held + r["peak"]), _mib(r.get("host", 0)),
             f"{r['init_seconds']:.2f}", f"{r['seconds']:.2f}"]
 
 
@@ -331,9 +334,10 @@ def main(argv=None):
     print("MiB; 'peak' = the most bytes the step allocated at once above what the rank "
           "held before it (params = parameters and buffers; optim = optimizer states; batches = "
           "its micro-batches); "
-          "phases = that peak by where each live storage was allocated; total = held + peak")
+          "phases = that peak by where each live storage was allocated; total = held + peak; "
+          "host = host memory beside it (offloaded optimizer states and activations)")
     print(table(["run", "rank", "params", "optim", "batches", "peak", "peak by phase", "total",
-                 "init s", "step s"], rows))
+                 "host", "init s", "step s"], rows))
     if real is not None:
         worst = max(abs(fake[r]["peak"] - real[r]["peak"]) / max(real[r]["peak"], 1)
                     for r in args.rank_list)

@@ -5,14 +5,18 @@ memory between the group's forward and its recomputation.
 
     stash = HostStash(x.device)            # one per forward of a stage's layers
     held = stash.hold(x)                   # the group's input; run the group on held.get()
+    held.prefetch_on_grad(attn_out)        # in its forward: the group's first attention output
     ...                                    # after the group's forward:
     held.offload()                         # copy to the host, drop the device tensor
-    # backward: the recomputation calls held.get() again, which brings the input back
-    # and starts bringing back the previous group's (prefetch, one group ahead)
+    # backward: the recomputation calls held.get() again, which brings the input back;
+    # once the gradient of the group's first attention output exists (its MLPs' backward
+    # done, its attention's to come), the previous group's input starts coming back
 
 On CUDA both copies run on one side stream, so they overlap the default stream's compute:
 the device-to-host copy of group i's input with group i+1's forward, the host-to-device
-copy of group i-1's input with group i's recomputation and backward. On a CPU the copy is
+copy of group i-1's input with group i's attention backward (the longest part of a layer's
+backward at long sequences). Starting it there, not at group i's recomputation, keeps it
+out of the MLP backward, where a layer's working set peaks. On a CPU the copy is
 real but lands in the same memory; `host_memory.mark_host` makes the live-bytes tracker
 count the host copies apart from the device bytes, as they would be on a GPU.
 
@@ -66,9 +70,19 @@ class Held:
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
         x, self.device, self.ready, self.host = self.device, None, None, None
-        if self.index > 0:  # the previous group's recomputation comes next: start its copy
-            self.stash.held[self.index - 1].fetch()
         return x.requires_grad_(self.requires_grad)
+
+    @property
+    def recomputing(self) -> bool:
+        """Offloaded (before `get`): the call to come is the recomputation."""
+        return self.host is not None
+
+    def prefetch_on_grad(self, t: torch.Tensor) -> None:
+        """Once backward has made `t`'s gradient, start bringing back the previous group's
+        input (its recomputation comes after this group's backward)."""
+        if self.index > 0 and t.requires_grad:
+            previous = self.stash.held[self.index - 1]
+            t.register_hook(lambda grad: previous.fetch())
 
     def offload(self) -> None:
         """Copy the input to the host and drop the device tensor (the group's forward has

@@ -102,7 +102,16 @@ def _run_layers(model, method: str, num_layers: int, early_stop: bool, offload_l
         return h
 
     def run_held(first: int, end: int, held: Held):  # the input from wherever it is now
-        return run(first, end, held.get())
+        if held.recomputing:
+            return run(first, end, held.get())
+        x = held.get()
+        # the forward: mark when backward will reach the group's first attention
+        hook = layers[first].attn.register_forward_hook(
+            lambda module, args, out: held.prefetch_on_grad(out))
+        try:
+            return run(first, end, x)
+        finally:
+            hook.remove()
 
     for first, end, recomputed in layer_groups(len(layers), method, num_layers):
         if not (recomputed and torch.is_grad_enabled()):

@@ -45,6 +45,22 @@ def _one_process(offload: int):
     return losses.detach(), grads, kept
 
 
+def test_inputs_come_back_ahead_of_their_recomputation(monkeypatch):
+    """The last group's input is fetched when its recomputation asks for it; every earlier
+    one is already on its way (started by the next group's attention-output gradient)."""
+    from megaulysses.parallel.activation_offload import Held
+    ready, get = [], Held.get
+
+    def recording_get(self):
+        if self.host is not None:  # the recomputation's call
+            ready.append((self.index, self.device is not None))
+        return get(self)
+
+    monkeypatch.setattr(Held, "get", recording_get)
+    _one_process(4)
+    assert ready == [(3, False), (2, True), (1, True), (0, True)]
+
+
 def test_offload_is_exact_and_counted_as_host_bytes():
     ref_losses, ref_grads, (ref_device, ref_host) = _one_process(0)
     assert ref_host == 0

@@ -36,8 +36,8 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
   --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
     block: the first --recompute-num-layers layers of a stage one by one, the rest keep
     everything. --cpu-offloading-num-layers N: the inputs of the groups starting in the
-    first N layers of a stage are in host memory instead (`host`); a group's backward
-    then also holds the previous group's input, prefetched.
+    first N layers of a stage are in host memory instead (`host`); a group's attention
+    backward then also holds the previous group's input, on its way back (`prefetch`).
 Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
 computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps
 the final norm (4*T'*h), the loss's input (e*T*h; under autocast also its e-byte copy of
@@ -67,6 +67,7 @@ class _Activations:
         self.recomputed = 0  # full: the most a group's recomputation adds to what is kept
         self.rerun = (0, 0)  # full: (layers, groups) whose forward runs again
         self.host = 0  # full, --cpu-offloading-num-layers: group inputs in host memory
+        self.prefetch = 0  # and the one on its way back during a group's attention backward
         self.layers_kept = sum(self.terms.values()) * self.layers
         if self.recompute == "full":
             self._full_recompute(mem)
@@ -93,10 +94,10 @@ class _Activations:
             host = [again and a < mem.cpu_offloading_num_layers for a, _, again in cut]
             kept = [0 if off else x if again else (end - a) * layer
                     for off, (a, end, again) in zip(host, cut)]
-            # A group's backward: the groups before it keep theirs, it holds all again, and
-            # the input of the previous group, if offloaded, is on its way back (prefetch).
-            worst = max(sum(kept[:i]) + (end - a) * layer + (x if i and host[i - 1] else 0)
-                        for i, (a, end, _) in enumerate(cut))
+            # A group's backward: the groups before it keep theirs, it holds all again.
+            worst = max(sum(kept[:i]) + (end - a) * layer for i, (a, end, _) in enumerate(cut))
+            if any(host[:-1]):  # an offloaded input comes back during attention backward
+                self.prefetch = x
             self.recomputed = max(self.recomputed, worst - sum(kept))
             self.layers_kept += sum(kept)
             self.host += x * sum(host)
@@ -136,12 +137,12 @@ class _Activations:
             # masked kernel's inputs are the checkpoint's, already kept)
             core += sum(_core_terms(s).values()) - (
                 s.e * (s.Q + 2 * s.K) if s.kernel in ("ring", "masked") else 0)
-        out["core backward"] = live - freed + stream + core
+        out["core backward"] = live - freed + stream + core + self.prefetch
         # q, k and v's input gradients summed: two partial sums and the total at once (under
         # tensor parallelism DTensor's accumulation is out of place; else in place, two).
         core_in = sum(v for k, v in self.terms.items() if k.startswith("core"))
         qkv = s.e * s.T * (s.hq + 2 * s.kv) * s.d + (3 if s.tp > 1 else 2) * F32 * s.T * s.h
-        out["qkv backward"] = live - freed - core_in + stream + qkv
+        out["qkv backward"] = live - freed - core_in + stream + qkv + self.prefetch
         if self.recompute == "full" and (s.sp > 1 or _core_forward(s)):
             # the caller's q, k, v before the all-to-all, beside the core's forward working
             # set, then the output all-to-all's packing
