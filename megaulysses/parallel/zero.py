@@ -14,7 +14,9 @@ rank falls by N, not by dp alone (the Ulysses paper's second idea).
              backward produces them
     stage 3  + parameters sharded: each block gathered before its forward and again
              before its backward and freed after each; the next block's all-gather is
-             issued while the current one computes (prefetch)
+             issued while the current one computes (prefetch); so are the embedding and
+             the head of an untied model, the root unit holding nothing then
+             (zero_units.py: the units, and why a tied model's stay in the root)
 
 Every stage cuts a parameter's local tensor (its tensor-parallel shard) along dim 0 into
 N pieces the way torch.chunk does (`RowShard`), FSDP2's own layout, so optimizer states
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -46,6 +48,7 @@ from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
 from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local, _storage_bytes
+from megaulysses.parallel.zero_units import shard_blocks, shard_root  # noqa: F401 (FSDP2 units)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -58,39 +61,6 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 
 # -- stages 2 and 3: FSDP2 ---------------------------------------------------------------------
-
-def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
-                 pipeline: bool) -> None:
-    """fully_shard every transformer block this rank holds over dp x sp. Stage 3 frees a
-    block's gathered parameters after its forward (and gathers the next one early); stage
-    2, and any stage under pp, keeps them until backward."""
-    blocks = list(model.layers.values())
-    reshard = stage == 3 and not pipeline
-    for block in blocks:
-        fully_shard(block, mesh=comm.mesh(DIM), reshard_after_forward=reshard, mp_policy=mp)
-        _configure(block, comm)
-    if reshard:
-        for prev, nxt in zip(blocks, blocks[1:]):
-            prev.set_modules_to_forward_prefetch([nxt])
-            nxt.set_modules_to_backward_prefetch([prev])
-
-
-def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy) -> nn.Module:
-    """fully_shard the parameters of `module` no block holds (embedding, final norm, output
-    layer): the whole GPT, or a pipeline stage. Kept gathered from forward to backward,
-    which starts with them."""
-    fully_shard(module, mesh=comm.mesh(DIM), reshard_after_forward=False, mp_policy=mp)
-    _configure(module, comm)
-    return module
-
-
-def _configure(module: FSDPModule, comm: Comm):
-    module.set_gradient_divide_factor(1.0)  # sum over dp x sp, never average
-    module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-    all_gather, reduce_scatter = comm.fsdp_collectives()
-    module.set_custom_all_gather(all_gather)
-    module.set_custom_reduce_scatter(reduce_scatter)
-
 
 def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecisionPolicy:
     """Gather parameters in the compute dtype (bf16/fp16: half the all-gather bytes), reduce
@@ -266,6 +236,8 @@ class Zero:
         self.optimizer = optimizer or (ShardedAdamW(groups, comm, self.reducer, make_adamw)
                                        if stage == 1 else make_adamw(groups))
         self._reduces = self.reducer or optimizer  # what arm() and finish() go to, if any
+        # every FSDP unit (blocks, an untied model's embedding and head under stage 3,
+        # the roots): what reshard, held_bytes and stage 2's reshard switch go over
         self._fsdp = [m for root in fsdp_roots for m in root.modules()
                       if isinstance(m, FSDPModule)]
         self.peak: dict = {}  # most bytes held at the moments observed since pop_peak()

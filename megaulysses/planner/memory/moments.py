@@ -101,7 +101,7 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
         blocks = 1 if name in ("head backward", "attention recomputed") else min(2, acts.layers)
         part = (done[name] if acts.layers else 0) + (head if name != "head backward" else 0)
         both(name, unit + min(0, live - kept), max(0, live - kept),
-             st.held_params + st.gathered(blocks) + st.cast_copies,
+             st.held_params + st.gathered(blocks, name == "head backward") + st.cast_copies,
              (st.new_grads(part, False), st.new_grads(part, True)))
     if st.block_reduce_scatter():  # the block itself is resharded before it
         both("block reduce-scatter", unit - acts.head - acts.last_layer_kept(),

@@ -7,12 +7,15 @@ along dim 0 into ceil(rows/N)-row pieces.
     parameters  stage 0/1: P; 2/3: the padded piece;
                 + autocast's cached e-byte copies of the blocks' weights (stages 0/1);
                 + FSDP's gathered copies (compute dtype): stage 2 (and 2/3 under pp)
-                everything, stage 3 the root unit (embedding, final norm, output layer)
-                and one block at the loss's backward, two (this one and the prefetched
-                one) during a block's backward
+                everything, stage 3 the root unit (embedding, final norm, output layer;
+                nothing when untied: those are units of their own, gathered for their
+                forward, the head also for its backward) and one block at the loss's
+                backward, two (this one and the prefetched one) during a block's backward
     gradients   stage 0/1 (and 2/3 under pp) P from a step's first backward on, in place;
                 stage 2/3 the piece, plus a block's unsharded gradients during its
-                backward; the last layer's fresh gradients in a step's first backward
+                backward; the last layer's fresh gradients in a step's first backward;
+                the head's unsharded ones (its reduce-scatter input when it is a unit
+                of its own) through the last layer's backward
     optimizer   AdamW's two fp32 moments of the rank's rows + 4 bytes of step per tensor
     distributed --use-distributed-optimizer under bf16/fp16 (stage <= 1): 16-bit weights
     optimizer   P/2, the gradient buffer P (P/2 in bf16) from the first backward on,
@@ -115,11 +118,20 @@ class _States:
         self.block = _Sizes.of([sh for _, sh in block], n).whole
         self.block_mlp = _Sizes.of([sh for name, sh in block if ".mlp." in name], n).whole
         self.block_padded = n * _Sizes.of([sh for _, sh in block], n).piece
-        root = _Sizes.of([sh for name, sh in params if not _block(name)], n)
         tied = not cfg.model.untie_embeddings_and_output_weights
-        self.head_grads = _Sizes.of([sh for name, sh in params if name.startswith("head.")
-                                     or (tied and name.startswith("embed.word"))], n).whole
-        self.root, self.root_piece = root.whole, root.piece
+        # ZeRO-3 without pp, untied (parallel/zero_units.py): the embedding and the head
+        # are units of their own, freed after forward like a block. Else they are in the
+        # root unit, gathered all step.
+        ends = stage == 3 and not pipeline and not tied
+        root = _Sizes.of([sh for name, sh in params if not _block(name) and not (
+            ends and name.startswith(("embed.", "head.")))], n)
+        # root_piece: of what a micro-batch gathers once (traffic.py), the root unit and
+        # (ends) the embedding, not gathered for its backward, which needs no weights
+        once = _Sizes.of([sh for name, sh in params if not _block(name) and not (
+            ends and name.startswith("head."))], n)
+        self.root, self.root_piece = root.whole, once.piece
+        self.head_unit = n * _Sizes.of([sh for name, sh in params if ends and
+                                        name.startswith("head.")], n).piece  # padded
         self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
                                  for _, sh in params])
         self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
@@ -130,6 +142,14 @@ class _States:
                             if half and stage < 2 else 0)
         self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
         self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
+        head = _Sizes.of([sh for name, sh in params if name.startswith("head.")
+                          or (tied and name.startswith("embed.word"))], n)
+        # What the head's backward leaves through the last layer's backward (`new_grads`
+        # scales it by gather_e): its unsharded gradients, waiting for the root unit's
+        # reduce-scatter; as a unit of its own, its reduce-scatter input (padded, reduce
+        # dtype), which FSDP keeps until the next unit's reduce-scatter (measured)
+        self.head_grads = (n * head.piece * self.reduce_e // self.gather_e if ends
+                           else head.whole)
         self.host = self.host_link = 0  # bytes on the host, copied each way per step
         # Megatron-LM's distributed optimizer (parallel/dist_opt.py): 16-bit weights, a
         # gradient buffer in the reduce dtype, fp32 main weights and moments of the rows
@@ -167,14 +187,16 @@ class _States:
             return self.buffer
         return self.piece if self.fsdp_per_block else self.local
 
-    def gathered(self, blocks: int) -> int:
+    def gathered(self, blocks: int, head: bool = False) -> int:
         """Parameters FSDP holds unsharded (compute dtype): everything (stage 2, and 2/3
-        under pp), or (stage 3) the root unit and `blocks` blocks."""
+        under pp), or (stage 3) the root unit and `blocks` blocks, and with `head` (at
+        the loss's backward) the head where it is a unit of its own."""
         if self.stage < 2:
             return 0
         if self.pipeline or self.stage == 2:
             return self.local * self.gather_e // F32
-        return (self.root + blocks * self.block_padded) * self.gather_e // F32
+        own = self.head_unit if head else 0
+        return (self.root + own + blocks * self.block_padded) * self.gather_e // F32
 
     def new_grads(self, done: int, later: bool) -> int:
         """Gradients the last layer's backward has made so far (`done` bytes of its

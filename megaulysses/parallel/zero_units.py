@@ -1,0 +1,97 @@
+"""ZeRO-2/3's FSDP2 units over dp x sp: which parameters are gathered together, and when.
+
+    blocks      every transformer block is a unit of its own. Stage 3 (no pp) gathers it
+                before its forward and again before its backward and frees it after each,
+                the next block's all-gather issued early (prefetch); stage 2, and any
+                stage under pp, keeps it gathered until backward
+    embedding,  stage 3, no pp, untied output layer: `model.embed` and `model.head`
+    head        (final norm + output layer) are units of their own too, freed after their
+                forward like a block: the head is gathered once more for its backward,
+                at the start of backward; the embedding never again (its backward needs
+                no weights). Their vocabulary-sized weights are not held through the
+                blocks' forward and backward, nor is the head's unsharded gradient
+                (reduce-scattered right after the head's backward, no longer at the end
+                of the whole backward; FSDP keeps that reduce-scatter's input, as it
+                does a block's, until the next unit's, the last block's, reduce-scatter)
+    root        `shard_root`: the whole GPT (or each pipeline stage) is the root unit,
+                holding what no other unit holds, kept gathered from forward to backward.
+                With the units above that is nothing (FSDP still needs the root: it runs
+                the end of backward, where the embedding's gradients are reduced, its
+                input, the token ids, having no gradient to hook); otherwise (stage 2,
+                pp, tied embeddings) it is the embedding, final norm and output layer
+
+A tied model keeps the embedding and the head in the root unit: the head computes with
+`embed.word`'s weight, and an FSDP2 parameter belongs to one unit, gathered only while
+that unit's module runs; a unit of the embedding alone would have it freed (sharded)
+when the head needs it.
+
+Under pp no unit is resharded inside a step (a pipeline stage runs many forwards and
+backwards interleaved): the units stay as they were, blocks and one root per stage.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import DP_SP
+
+
+def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
+                 pipeline: bool) -> None:
+    """fully_shard every transformer block this rank holds over dp x sp, and under stage 3
+    without pp the embedding and the head of an untied model (`separate_ends`). Stage 3
+    frees a unit's gathered parameters after its forward (and gathers the next one early);
+    stage 2, and any stage under pp, keeps them until backward. Before `shard_root`."""
+    reshard = stage == 3 and not pipeline
+    ends = separate_ends(model) if reshard else False
+    units = list(model.layers.values())
+    if ends:
+        units = [model.embed] + units + [model.head]
+    for unit in units:
+        fully_shard(unit, mesh=comm.mesh(DP_SP), reshard_after_forward=reshard, mp_policy=mp)
+        _configure(unit, comm)
+    if reshard:
+        for prev, nxt in zip(units, units[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+    if ends:
+        # The GPT computes the loss with `head.loss`, not `head.forward`: FSDP's gather
+        # before it, the reshard after it and the backward hooks must wrap that call too.
+        register_fsdp_forward_method(model.head, "loss")
+        # The embedding's backward reads no weights (the output gradient added into rows
+        # by token id; FSDP's option for embeddings): it is never gathered in backward,
+        # and the first block's prefetch of it is a no-op.
+        model.embed.set_unshard_in_backward(False)
+        # Nor does it prefetch anything: without a list of its own FSDP would gather the
+        # unit before it in its recorded forward order, which after an evaluation's
+        # forwards (recorded, never consumed by a backward) is the head, once more. A list
+        # naming itself turns that off (and is a no-op).
+        model.embed.set_modules_to_backward_prefetch([model.embed])
+
+
+def separate_ends(model: nn.Module) -> bool:
+    """Can the embedding and the head be units of their own? Both on this rank (no pp)
+    and the output layer untied (see the module doc for the tied case)."""
+    head = getattr(model, "head", None)
+    return (getattr(model, "embed", None) is not None and head is not None
+            and head.output is not None)
+
+
+def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy) -> nn.Module:
+    """fully_shard the parameters of `module` no other unit holds (the whole GPT, or a
+    pipeline stage): the root unit. Kept gathered from forward to backward, which starts
+    with them."""
+    fully_shard(module, mesh=comm.mesh(DP_SP), reshard_after_forward=False, mp_policy=mp)
+    _configure(module, comm)
+    return module
+
+
+def _configure(module: FSDPModule, comm: Comm) -> None:
+    module.set_gradient_divide_factor(1.0)  # sum over dp x sp, never average
+    module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    all_gather, reduce_scatter = comm.fsdp_collectives()
+    module.set_custom_all_gather(all_gather)
+    module.set_custom_reduce_scatter(reduce_scatter)
