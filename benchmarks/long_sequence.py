@@ -14,6 +14,8 @@ vocab 32000, fp32, AdamW) on 8 ranks, five setups:
     b+  b with every memory feature of issue 12 that applies: tiled loss, tiled MLP
     c   ours: Ulysses sp8 + ZeRO-3 + full recompute + tiled loss + tiled MLP
     d   ours without recomputation or tiling (Ulysses sp8 + ZeRO-3, untiled loss)
+    c+o c with every layer's kept input offloaded to host memory (issue 24): device bytes
+        count against the budget, the host bytes are reported beside them
 
 For each, the longest sequence (a multiple of --step, 1024) whose whole training step fits
 --budget-gib of live tensor bytes per rank: what the rank holds before the step
@@ -105,7 +107,10 @@ SETUPS = [
           tuple(SP8_Z3 + FULL), False, True),
     Setup("d", "ours without recompute/tiling: Ulysses sp8 + ZeRO-3", tuple(SP8_Z3), True,
           False),
+    Setup("c+o", "c + activation offload to host (--cpu-offloading-num-layers 4)",
+          tuple(SP8_Z3 + FULL + ["--cpu-offloading-num-layers", "4"]), False, True),
 ]
+C_BEFORE_ISSUE_24 = 178176  # (c)'s longest length before issue 24's working-set changes
 
 
 def mlp_chunks(seq: int, gathered: bool, tile_rows: int) -> int:
@@ -195,7 +200,7 @@ class FakeRank:
             plan = plan_memory(trainer.cfg, trainer.dims, trainer.comm.rank(PP), "cpu")
         del trainer
         gc.collect()
-        return {"seq": seq, "total": sum(r["held"].values()) + r["peak"],
+        return {"seq": seq, "total": sum(r["held"].values()) + r["peak"], "host": r["host"],
                 "held": sum(r["held"].values()), "planned": plan.peak_bytes,
                 "by_phase": r["by_phase"], "seconds": time.perf_counter() - start,
                 "plan": {"moment": plan.peak_moment, "params": plan.param_bytes,
@@ -275,9 +280,10 @@ def report(results: dict, args) -> str:
         rows.append([s.name, s.what, f"{r['longest']:,}",
                      f"{best['total'] / MIB:.1f}", f"{best['planned'] / MIB:.1f}",
                      f"{(best['planned'] - best['total']) / best['total']:+.1%}",
-                     ] + [f"{r['tokens_per_s'][n]:.0f}" if n in r.get("tokens_per_s", {})
+                     f"{best.get('host', 0) / MIB:.1f}"] + [f"{r['tokens_per_s'][n]:.0f}" if n in r.get("tokens_per_s", {})
                           else "-" for n in args.throughput_seq_used])
-    head = ["setup", "what", "longest seq", "measured MiB", "planned MiB", "plan error"] + [
+    head = ["setup", "what", "longest seq", "measured MiB", "planned MiB", "plan error",
+            "host MiB"] + [
         f"tokens/s at {n}" for n in args.throughput_seq_used]
     lines = [f"budget {args.budget_gib:g} GiB of live tensor bytes per rank, world {WORLD}; "
              "longest multiple of 1024 whose whole training step fits", table(head, rows)]
@@ -288,6 +294,11 @@ def report(results: dict, args) -> str:
             mark = "" if target is None else f" (target >= {target}: " \
                 f"{'met' if ratio >= target else 'NOT met'})"
             lines.append(f"ratio ({num})/({den}): {ratio:.2f}{mark}")
+    for name in ("c", "c+o"):
+        if got.get(name):
+            ratio = got[name] / C_BEFORE_ISSUE_24
+            lines.append(f"({name}) / (c) before issue 24 ({C_BEFORE_ISSUE_24:,}): {ratio:.2f} "
+                         f"(target >= 2: {'met' if ratio >= 2 else 'NOT met'})")
     return "\n".join(lines)
 
 
@@ -321,7 +332,8 @@ def plot(results: dict, args, path: str):
     names = [s.name for s in args.chosen]
     values = [results[n]["longest"] / 1024 for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    bars = ax.bar(names, values, color=["#999", "#c66", "#e99", "#36c", "#9bd"][:len(names)])
+    bars = ax.bar(names, values, color=["#999", "#c66", "#e99", "#36c", "#9bd",
+                                        "#139"][:len(names)])
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:,.0f}K", ha="center", va="bottom")
     ax.set_yscale("log")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
 from megaulysses.model.ops import linear, linear_cross_entropy
-from megaulysses.model.layers import MLP, EmbeddingTable, Linear, build_norm
+from megaulysses.model.layers import MLP, EmbeddingTable, Linear, build_norm, shared_input
 from megaulysses.model.rope import apply_rotary, rotary_angles
 
 
@@ -53,16 +53,25 @@ class SelfAttention(nn.Module):
                 mask: Optional[AttentionMask] = None) -> torch.Tensor:
         # x [b, s, h]; rotary: (cos, sin) or None; mask: over the whole sequence, None: causal
         b, s, _ = x.shape
+        use = shared_input(x)  # under autocast: one 16-bit copy of x for q, k and v, not three
         # -1 instead of the head count: tensor parallelism leaves a shard of the heads.
-        q = self.q(x).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
-        k = self.k(x).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
-        v = self.v(x).view(b, s, -1, self.head_dim)
+        q = self.q(use()).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
+        k = self.k(use()).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
+        v = self.v(use()).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:  # before RoPE; fp32 out, back to the projections' dtype
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
-        y = self.core(q, k, v, self.dropout if self.training else 0.0, mask)  # [b, s, hq, d]
+        dropout = self.dropout if self.training else 0.0
+        if getattr(self.core, "takes_qkv", False):  # Ulysses, head groups: handed over, so
+            # the core frees each sequence-sharded tensor once it has sent it (no other
+            # reference here) instead of holding it beside its whole-sequence copy
+            qkv = [q, k, v]
+            del q, k, v
+            y = self.core.take(qkv, dropout, mask)  # [b, s, hq, d]
+        else:
+            y = self.core(q, k, v, dropout, mask)  # [b, s, hq, d]
         return self.out(y.reshape(b, s, -1))  # [b, s, h]
 
 

@@ -11,7 +11,8 @@ The transforms, always in this order (each module's docstring says what its step
                         attention over cp (cp > 1); then ulysses.apply_ulysses puts it
                         between two all-to-alls over sp (sp > 1)
     4. recomputation    recompute.apply_recompute (--recompute-*), then
-                        tiling.apply_tiled_mlp (--tiled-mlp-chunks)
+                        tiling.apply_tiled_mlp (--tiled-mlp-chunks), then
+                        head_groups.apply_head_groups (--attention-head-groups)
     5. ZeRO-2/3         zero.shard_blocks, zero.shard_root: FSDP2 over dp x sp, per block
                         and per root (the model, or each pipeline stage)
     6. materialize      to_empty: a rank allocates its own shards only
@@ -45,6 +46,7 @@ from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dist_opt import DistributedOptimizer
 from megaulysses.parallel.grad_reduce import BUCKET_BYTES
+from megaulysses.parallel.head_groups import apply_head_groups
 from megaulysses.parallel.dims import DP_SP, PP, TP
 from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
 from megaulysses.parallel.recompute import apply_recompute
@@ -82,9 +84,11 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     apply_context_parallel(model, comm)  # 3
     apply_ulysses(model, comm)
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
-                    mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1,
+                    mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1
+                    and mem.attention_head_groups == 1,  # nested checkpoints: recompute.py
                     offload_layers=mem.cpu_offloading_num_layers)
     apply_tiled_mlp(model, mem.tiled_mlp_chunks)
+    apply_head_groups(model, mem.attention_head_groups)  # after both: unwraps selective's
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     if zero_stage >= 2:  # 5
         mp = zero_mod.mixed_precision(dtype, reduce_dtype)

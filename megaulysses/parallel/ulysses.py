@@ -18,6 +18,11 @@ Bytes sent per rank per layer (forward; backward sends the same again):
     (k + v)    2 * b*S*max(hkv, P)*d * bytes * (P-1)/P^2
 MHA (hq = hkv = h/d heads): 4 * b*S*h * bytes * (P-1)/P^2, the paper's 4Nh/P per layer
 up to the (P-1)/P a rank keeps for itself.
+
+Memory: SelfAttention hands q, k and v over (`take`), so each sequence-sharded tensor is
+freed once sent; the whole-sequence q, k, v and out of all the rank's heads exist at once
+(one layer's core). --attention-head-groups runs them one group of heads at a time
+(parallel/head_groups.py, around this wrapper's three exchanges).
 """
 
 from __future__ import annotations
@@ -35,22 +40,50 @@ if TYPE_CHECKING:
 
 
 class UlyssesAttention:
-    """A drop-in attention core: `(q, k, v, dropout_p, mask) -> out` on sequence shards."""
+    """A drop-in attention core: `(q, k, v, dropout_p, mask) -> out` on sequence shards.
+
+    `take([q, k, v], ...)` is the same with q, k and v handed over (SelfAttention does):
+    each is popped from the list as it is exchanged, so with no other reference left the
+    sequence-sharded tensor is freed right after its all-to-all and never coexists with
+    its whole-sequence copy (nor with the core's working set)."""
+
+    takes_qkv = True  # SelfAttention passes q, k, v in a list it keeps no reference to
 
     def __init__(self, core: AttentionCore, comm: Comm, dim: str = SP):
         self.core, self.comm, self.dim = core, comm, dim
         self.P = comm.size(dim)
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):  # q [b, S/P, hq, d], k/v [b, S/P, hkv, d]
-        hkv = k.shape[2]
-        if hkv % self.P:  # P % hkv == 0 (checked at start-up): one kv head per rank
-            rep = self.P // hkv
-            k = k.repeat_interleave(rep, dim=2)  # [b, S/P, P, d]
-            v = v.repeat_interleave(rep, dim=2)
-        q, k, v = (self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
-                   for t in (q, k, v))  # [b, S, h/P, d]
+    def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):
+        # q [b, S/P, hq, d], k/v [b, S/P, hkv, d] -> [b, S/P, hq, d]
+        return self.take([q, k, v], dropout_p, mask)
+
+    def take(self, qkv: list, dropout_p: float = 0.0, mask=None) -> torch.Tensor:
+        """`qkv` = [q, k, v], emptied: the caller's last references."""
+        q = self.to_heads(qkv.pop(0))  # [b, S, hq/P, d]
+        k, v = self.kv_to_heads(qkv)  # [b, S, max(hkv, P)/P, d]
         out = self.core(q, k, v, dropout_p, mask)  # [b, S, hq/P, d]
-        return self.comm.all_to_all(out, self.dim, scatter_dim=1, gather_dim=2)  # [b, S/P, hq, d]
+        del q, k, v  # what the core saved for backward stays; no_grad: freed here
+        return self.to_sequence(out)  # [b, S/P, hq, d]
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Dim 2 (heads) cut in P chunks, rank i gets chunk i of every rank, the sequence
+        (dim 1) gathered: [b, S/P, P*n, d] -> [b, S, n, d] (or [b, S/P, P, n, d] ->
+        [b, S, 1, n, d]: head_groups.py's shares)."""
+        return self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, S, n, d] -> [b, S/P, P*n, d]: the inverse of `to_heads`."""
+        return self.comm.all_to_all(t, self.dim, scatter_dim=1, gather_dim=2)
+
+    def kv_to_heads(self, kv: list) -> list:
+        """[k, v] `[b, S/P, hkv, d]`, emptied -> [k, v] `[b, S, max(hkv, P)/P, d]`."""
+        out = []
+        while kv:
+            t = kv.pop(0)
+            if t.shape[2] % self.P:  # P % hkv == 0 (checked at start-up): one kv head per rank
+                t = t.repeat_interleave(self.P // t.shape[2], dim=2)  # [b, S/P, P, d]
+            out.append(self.to_heads(t))
+        return out
 
 
 def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,

@@ -2,7 +2,8 @@
 
 A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
 (none, selective, full, full with the MLP tiled by 4; for long sequences full with the
-inputs offloaded to host, the MLP by 4 or 16 and attention by 1, 2 or 4 groups of heads)
+inputs offloaded to host, the MLP by 4, 16 or 32 and attention by 1, 2 or 4 groups of
+heads)
 and the micro-batch. Each is checked
 by the trainer's own rules (`config.validate`, `config.resolve`): a grid the
 trainer would refuse is rejected with the trainer's message. With tp > 1 Megatron-SP
@@ -29,7 +30,8 @@ from megaulysses.planner.time_model import Prediction, predict
 # (recompute, MLP tiles, activation offload, attention head groups), lightest first
 LEVELS = (("none", 1, False, 1), ("selective", 1, False, 1), ("full", 1, False, 1),
           ("full", 4, False, 1), ("full", 4, True, 1), ("full", 16, True, 1),
-          ("full", 16, True, 2), ("full", 16, True, 4))
+          ("full", 32, True, 1), ("full", 16, True, 2), ("full", 16, True, 4),
+          ("full", 32, True, 4))
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
 FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp",

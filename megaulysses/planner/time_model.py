@@ -16,7 +16,8 @@ Time of one iteration, on the slowest of those stages:
              five matmuls to two); the logits 2*h*V forward, twice backward, on the last
              stage. Recomputation adds what it reruns: full, the layers' forward (the plan
              says how many); selective, the attention forward; a tiled MLP, the MLP
-             forward.
+             forward; --attention-head-groups, the attention forward (each group is
+             recomputed right before its backward).
   exposed    Ulysses all-to-alls, tensor-parallel collectives and pipeline sends wait for
              nothing to overlap them: their time is added as is.
   overlapped the ring's key/value passes hide behind the ring's attention compute (only
@@ -165,15 +166,21 @@ def _flops(cfg: Config, dims: ParallelDims, plan: MemoryPlan, last: bool) -> dic
     gemm = 2 * h * (2 * q + 2 * kv) + mlp  # a token's matmuls, forward
     attn = 2 * S * q * mask_from_config(mc).attended_fraction(S)  # forward, causal half
     layers = plan.layers
+    mem = cfg.memory
     rerun = {"full": plan.recomputed_layers * (gemm + attn),
-             "selective": layers * attn}.get(cfg.memory.recompute_granularity, 0)
-    if cfg.memory.tiled_mlp_chunks > 1:
+             "selective": layers * attn}.get(mem.recompute_granularity, 0)
+    if mem.tiled_mlp_chunks > 1:
         rerun += layers * mlp
+    # head groups: each group's core runs forward once more, right before its backward
+    # (under selective recomputation that is the one it does anyway)
+    groups = mem.attention_head_groups > 1 and mem.recompute_granularity != "selective"
+    if groups:
+        rerun += layers * attn
     head = 2 * h * mc.padded_vocab_size if last else 0
     total = tokens * (3 * (layers * gemm + head) + (1 + ATTENTION_BACKWARD) * layers * attn
                       + rerun)
-    attention = tokens * layers * attn * (1 + ATTENTION_BACKWARD + (
-        1 if cfg.memory.recompute_granularity in ("full", "selective") else 0))
+    attention = tokens * layers * attn * (1 + ATTENTION_BACKWARD + int(groups) + (
+        1 if mem.recompute_granularity in ("full", "selective") else 0))
     return dict(total=total, attention=attention)
 
 

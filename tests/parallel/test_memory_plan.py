@@ -60,6 +60,8 @@ GRIDS = {  # world -> {name: flags}
             "--sequence-parallel", "--bf16"],
         "sp2, ZeRO-1, selective": SP2 + ["--zero-stage", "1"] + SELECTIVE,
         "sp2, ZeRO-3, full": SP2 + ["--zero-stage", "3"] + FULL,
+        "sp2, ZeRO-3, full, attention head groups 2, core-bound": SP2 + [
+            "--zero-stage", "3", "--attention-head-groups", "2"] + FULL + CORE_BOUND,
         "tp2 + Megatron-SP, selective, MLP tiled 2":
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + SELECTIVE,
         "tp2 + Megatron-SP, full, MLP tiled 2":
@@ -206,7 +208,8 @@ def test_planner_predicts_the_measured_grids(measured):
                         max(par.zero_stage, int(dist_opt)),
                         cfg.memory.recompute_granularity or "none",
                         cfg.memory.tiled_mlp_chunks, cfg.train.micro_batch_size,
-                        par.tp_sequence_parallel, dist_opt)
+                        par.tp_sequence_parallel, dist_opt,
+                        head_groups=cfg.memory.attention_head_groups)
             c = evaluate(cfg, grid, gpu_spec("A100-80GB"), 0.0, device_type="cpu")
             assert c.kind == "fits", (name, c.reason)
             peak = max(meas for (w, _, n), (meas, *_) in measured.items()

@@ -5,7 +5,8 @@ per layer and outside the layers, under recomputation, and what its backward add
 Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
     attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
     attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
-                 all-gathered whole one); under autocast each linear's e-byte copy, 3*e*T*h
+                 all-gathered whole one); under autocast one e-byte copy, e*T*h, which the
+                 three share (layers.shared_input)
     qk norms     --qk-layernorm: as attn norm over rows of d, T*(hq + hkv) of them:
                  4*T*(hq + hkv)*(d + 1) (LayerNorm: d + 2)
     core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
@@ -144,11 +145,10 @@ class _Activations:
         qkv = s.e * s.T * (s.hq + 2 * s.kv) * s.d + (3 if s.tp > 1 else 2) * F32 * s.T * s.h
         out["qkv backward"] = live - freed - core_in + stream + qkv + self.prefetch
         if self.recompute == "full" and (s.sp > 1 or _core_forward(s)):
-            # the caller's q, k, v before the all-to-all, beside the core's forward working
-            # set, then the output all-to-all's packing
-            ulysses = s.e * s.T * (s.hq + 2 * s.kv) * s.d if s.sp > 1 else 0
+            # the core's forward working set, or the output all-to-all's packing (the
+            # caller's q, k, v before the all-to-all are handed over and freed as sent)
             packing = s.e * s.T * s.hq * s.d if s.sp > 1 else 0
-            out["attention recomputed"] = live - self._mlp_of_layer() + stream + ulysses + max(
+            out["attention recomputed"] = live - self._mlp_of_layer() + stream + max(
                 packing, _core_forward(s))
         return out
 
@@ -171,7 +171,7 @@ class _Activations:
 
 def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
-    t = {"attn norm": _norm(s), "attn input": _linear_input(s, 3)}
+    t = {"attn norm": _norm(s), "attn input": _linear_input(s, 1)}  # q, k, v share one copy
     if s.qk_norm:  # their fp32 x_hat and rstd (LayerNorm: input, mean, rstd) per head
         t["qk norms"] = F32 * s.T * (s.hq + s.hkv) * (s.d + (2 if s.layernorm else 1))
     if selective:

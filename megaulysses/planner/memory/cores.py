@@ -39,15 +39,29 @@ later steps take all query rows x half the keys, or half the rows x all keys):
                          the kept one, the received keys and values and those arriving, the
                          step's partial out (q's dtype; and its fp32 copy under autocast) and
                          lse for its rows, and the merge's four lse-sized temporaries
+--attention-head-groups G (parallel/head_groups.py; each term below from one group's core,
+hq/G heads, kv heads grouped alike or, fewer than G a rank, one a rank; measured):
+    kept                 the groups' inputs, the rank's q, k, v (e*(Q + 2K)), and the
+                         out-projection's input (the groups' outputs stacked, e*Q)
+    core backward        the largest group: recomputed (its q, k, v and what its core saves)
+                         and its core's backward, beside the output's gradient (e*Q, until
+                         the last group takes its share) or the input gradients of the
+                         groups done ((G-1)/G of e*(Q + 2K); k, v exchanged whole: 2eK)
+    core forward         (a layer recomputed) the earlier groups' outputs, (G-1)/G of e*Q,
+                         the group's q, k, v, what its core makes, its working set
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from megaulysses.model.attention.block_causal import BLOCK_ROWS
 from megaulysses.planner.memory.shapes import F32, _Shape
 
 
 def _core_terms(s: _Shape) -> dict:
+    if s.groups > 1:
+        return _grouped_terms(s)
     qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
     square = F32 * s.b * s.core_heads * s.S * s.S
     if s.kernel == "block":
@@ -71,6 +85,8 @@ def _core_backward(s: _Shape) -> int:
     """The core's backward working set beyond what it keeps: dq, dk, dv, dout (and the
     block kernel's two gradient blocks of 64 query rows; the masked kernel's and the ring's
     below)."""
+    if s.groups > 1:
+        return _grouped_backward(s)
     qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
     if s.kernel == "block":
         return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
@@ -130,6 +146,8 @@ def _core_forward(s: _Shape) -> int:
     grouped copies, the running fp32 out beyond the kept one (autocast: cast at the end),
     the keys and values arriving (all steps but the last) and, later steps, those received
     and the step's partial out and lse (merged into the running ones in place)."""
+    if s.groups > 1:
+        return _grouped_forward(s)
     e, kv = s.e, 2 * s.e * s.K
     grouped = e * s.Q + kv  # q scaled, k, v
     if s.kernel == "masked":
@@ -182,3 +200,64 @@ def _ring_fused_forward(s: _Shape) -> int:
 
     return max(held + (kv if arriving else 0) + partial(rows)
                for rows, _, arriving in _fused_ring_steps(s))
+
+
+# -- --attention-head-groups G (parallel/head_groups.py) -------------------------------------
+
+def _group(s: _Shape) -> _Shape:
+    """One group's core: hq/G query heads; kv heads grouped the same (kv/G), or, where the
+    rank's kv_r = kv/sp heads are fewer than G (exchanged whole), one kv head a rank."""
+    return replace(s, groups=1, selective=False, hq=s.hq // s.groups,
+                   kv=max(s.kv // s.groups, s.sp))
+
+
+def _kv_whole(s: _Shape) -> bool:
+    return (s.kv // s.sp) % s.groups != 0
+
+
+def _group_kv_views(g: _Shape, s: _Shape) -> int:
+    """Bytes of a group's k and v that are views of the kept whole-exchanged ones (no new
+    memory), counted by `_core_terms(g)` as its own."""
+    return 2 * s.e * g.K if _kv_whole(s) else 0
+
+
+def _grouped_terms(s: _Shape) -> dict:
+    """What a layer keeps: the groups' checkpoints keep their inputs only, the rank's q, k
+    and v (or k and v exchanged whole: the same bytes), nothing of the core; the
+    out-projection's input is the groups' outputs stacked, never a core's saved output."""
+    return {"core q,k,v (head groups' inputs)": s.e * (s.Q + 2 * s.K),
+            "out input": s.e * s.Q}
+
+
+def _grouped_backward(s: _Shape) -> int:
+    """The core's backward, its largest group, beyond what the layer keeps: the group
+    recomputed (its q, k, v and what its core saves: `_core_terms` of one group) and its
+    core's backward (`_core_backward` of one group), beside the output's gradient (e*Q,
+    each group's a view of it: alive until the last group takes its share) and the input
+    gradients of the groups done, waiting to be stacked (per group e*(Q + 2K)/G; k and v
+    exchanged whole: their gradients whole from the first group on). Selective
+    recomputation adds the core's internals again (activations.py): here they are the
+    group's, so that is taken off."""
+    g, G, e = _group(s), s.groups, s.e
+
+    def done(j: int) -> int:  # the input gradients of j groups
+        if j == 0:
+            return 0
+        return j * e * g.Q + (2 * e * s.K if _kv_whole(s) else j * 2 * e * g.K)
+
+    waiting = max((e * s.Q if j < G - 1 else 0) + done(j) for j in range(G))
+    out = (sum(_core_terms(g).values()) - _group_kv_views(g, s) + _core_backward(g)
+           + waiting)
+    if s.selective:
+        out -= sum(_core_terms(s).values()) - (
+            s.e * (s.Q + 2 * s.K) if s.kernel in ("ring", "masked") else 0)
+    return out
+
+
+def _grouped_forward(s: _Shape) -> int:
+    """The forward working set (a layer recomputed), the last group's: the outputs of the
+    groups before it, waiting to be stacked, and the group's q, k, v, what its core makes
+    and its output ((G-1)/G of e*Q, `_core_terms` and `_core_forward` of one group)."""
+    g = _group(s)
+    return ((s.groups - 1) * s.e * g.Q + sum(_core_terms(g).values())
+            - _group_kv_views(g, s) + _core_forward(g))

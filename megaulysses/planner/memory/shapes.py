@@ -126,6 +126,8 @@ class _Shape:
     fused: bool = False  # ring: every step on the fused kernel (plain causal mask)
     cp_rank: int = 0  # the ring rank planned
     qk_norm: bool = False  # --qk-layernorm: per-head norms of q and k
+    groups: int = 1  # --attention-head-groups: the core runs by groups of heads (cores.py)
+    selective: bool = False  # --recompute-activations (cores.py's head groups need it)
 
     @property
     def ce_kept(self) -> bool:
@@ -189,7 +191,8 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
                   mask_e=1 if device_type == "cuda" else F32,
-                  qk_norm=m.qk_layernorm,
+                  qk_norm=m.qk_layernorm, groups=cfg.memory.attention_head_groups,
+                  selective=cfg.memory.recompute_granularity == "selective",
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
                   documents=cfg.data.reset_attention_mask, fused=fused, cp_rank=cp_rank,

@@ -29,6 +29,7 @@ from collections import defaultdict
 
 from megaulysses.config import Config
 from megaulysses.parallel.dims import CP, DP_SP, PP, SP, TP, ParallelDims
+from megaulysses.parallel.head_groups import regroup_bytes_per_layer
 from megaulysses.parallel.ring import ring_bytes_per_layer
 from megaulysses.parallel.tensor import megatron_sp_bytes_per_layer
 from megaulysses.parallel.ulysses import ulysses_bytes_per_layer
@@ -47,15 +48,19 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
     if s.sp > 1:  # over the ring rank's S/C positions
         a2a = ulysses_bytes_per_layer(s.b, s.Sc, s.hq, s.hkv, s.d, s.sp, s.e)
         out[(SP, "all_to_all")] += a2a * (forwards + m * layers)
+        # --attention-head-groups: each group's recomputation sends its q, k, v again
+        out[(SP, "all_to_all")] += m * layers * regroup_bytes_per_layer(
+            s.b, s.Sc, s.hq, s.hkv, s.d, s.sp, s.e, s.groups)
     if s.cp > 1:  # the ring: keys and values forward, again with their gradients backward;
         # its forward reruns with the layer (full) or the core (selective) recomputed
         fwd, bwd = ring_bytes_per_layer(s.b, s.S, s.kv // s.sp, s.d, s.cp, s.e)
-        rings = forwards + (m * layers if acts.recompute == "selective" else 0)
+        rings = forwards + (m * layers if acts.recompute == "selective" or s.groups > 1
+                            else 0)  # the core recomputed: selective, or head groups
         out[(CP, "ring")] += fwd * rings + bwd * m * layers
     if s.tp > 1:
         # Sublayer outputs reduced beyond two per layer forward: recompute.py's early stop
         # skips each group's last fc2 (with a tiled MLP it is off: the group reruns whole)
-        extra = -acts.rerun[1] if cfg.memory.tiled_mlp_chunks == 1 else 0
+        extra = -acts.rerun[1] if cfg.memory.tiled_mlp_chunks == 1 and s.groups == 1 else 0
         _tensor_parallel(out, cfg, s, rank, forwards, m * extra,
                          m if st.fsdp_per_block else 1)
     _zero(out, st, m)
