@@ -2,8 +2,15 @@
 7B/30B shapes on 8, 32 and 64 H100 or A100-80GB, beside ALST's and FPDT's published
 numbers, with where each GiB goes at the limit.
 
-    python benchmarks/long_context_frontier.py            # ~1 min; writes docs/long_context_frontier.md
+    python benchmarks/long_context_frontier.py            # ~2 min; writes docs/long_context_frontier.md
     python benchmarks/long_context_frontier.py --out ''   # print only
+
+The plan behind the headline rows (Llama-3-8B on 8 and 32 H100) is checked at small scale:
+the same grid flags (Ulysses degree, ZeRO stage, recomputation, MLP tiles, offload, head
+groups) and the same head layout (32 query, 8 kv heads) on a 4-layer model of hidden 512
+at 8K tokens a rank, run as one rank of 8 (and of 32) on torch's fake process group
+(benchmarks/fake_rank.py: the real trainer and step, shapes only), its measured peak
+beside the plan's for the same flags (`small_scale_check`).
 
 For each (model, cluster) the grid is Ulysses over as many ranks as the heads allow (sp),
 ring attention over the rest (cp), tp = pp = dp = 1, one sample of S tokens; the planner
@@ -110,6 +117,46 @@ def breakdown(c, cfg) -> str:
     return f"{text} (at {p.peak_moment})"
 
 
+SMALL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "32",
+         "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "1408",
+         "--vocab-size", "4096", "--train-iters", "3", "--lr-warmup-iters", "0",
+         "--eval-iters", "0", "--log-interval", "1000", "--generate", "0"] + LLAMA[:-4]
+SMALL_LOCAL = 8192  # tokens a rank
+
+
+def small_scale_check(grid, world: int) -> dict:
+    """`grid`'s flags on SMALL at SMALL_LOCAL tokens a rank, as rank 0 of `world` fake
+    ranks: {measured, planned} bytes (held + step peak; the plan for cpu, as it runs)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fake_rank
+    from megaulysses.config import resolve
+    from megaulysses.planner.memory import plan_memory as plan
+    seq = SMALL_LOCAL * world
+    flags = grid.flags() + ["--global-batch-size", "1"]
+    flags = _with(flags, "--cpu-offloading-num-layers", "4" if grid.offload else None)
+    flags = _with(flags, "--tiled-mlp-chunks",
+                  str(min(grid.tiles, 8)) if grid.tiles > 1 else None)
+    argv = SMALL + flags + ["--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+    r = fake_rank.run_fake_rank(0, world, argv, steps=2)
+    cfg = resolve(parse_args(argv), world, 4096)
+    return dict(world=world, flags=" ".join(flags), host=r["host"],
+                measured=sum(r["held"].values()) + r["peak"],
+                planned=plan(cfg, cfg.dims, 0, "cpu").peak_bytes)
+
+
+def _with(flags: list, name: str, value) -> list:
+    """`flags` with `name` set to `value` (None: removed)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f == name:
+            skip = True
+        else:
+            out.append(f)
+    return out + ([name, value] if value is not None else [])
+
+
 def tokens(n: float) -> str:
     return f"{n / 2 ** 20:.2f}M" if n >= 2 ** 20 else f"{n / K:.0f}K"
 
@@ -118,7 +165,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "long_context_frontier.md"))
+    p.add_argument("--no-small-check", action="store_true",
+                   help="skip the fake-rank check of the headline grids")
     args = p.parse_args(argv)
+    headline = {}
     rows = ["| model | GPUs | longest sequence | grid (the planner's fastest there) | "
             "tokens/s | MFU | GiB per GPU: where they go |", "|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
@@ -128,18 +178,36 @@ def main(argv=None) -> int:
                 rows.append(f"| {name} | {gpus} x {kind} | < {tokens(STEP)} | | | | |")
                 continue
             c, cfg = best
+            if name == "Llama-3-8B" and kind == "H100" and gpus in (8, 32):
+                headline[gpus] = c.grid
             pr = c.prediction
             rows.append(f"| {name} | {gpus} x {kind} | {tokens(seq)} ({seq:,}) | {c.grid} | "
                          f"{pr.tokens_per_s:,.0f} | {pr.mfu:.0%} | "
                          f"{pr.memory_bytes / GIB:.1f}: {breakdown(*best)} |")
             print(rows[-1], flush=True)
+    checks = []
+    if not args.no_small_check:
+        checks = ["| world | the grid's flags | measured MiB | planned MiB | plan error | "
+                  "host MiB |", "|---|---|---|---|---|---|"]
+        for gpus, grid in sorted(headline.items()):
+            r = small_scale_check(grid, gpus)
+            err = (r["planned"] - r["measured"]) / r["measured"]
+            checks.append(f"| {gpus} | `{r['flags']}` | {r['measured'] / 2 ** 20:.1f} | "
+                          f"{r['planned'] / 2 ** 20:.1f} | {err:+.1%} | "
+                          f"{r['host'] / 2 ** 20:.1f} |")
+            print(checks[-1], flush=True)
+        checks = ["The headline grids at small scale (fake ranks, "
+                  f"{SMALL_LOCAL} tokens a rank, a 4-layer model of hidden 512 with 32 query "
+                  "and 8 kv heads; MLP tiles capped at 8, offload of all 4 layers):", "",
+                  *checks, ""]
     published = ["| system | model | GPUs | tokens |", "|---|---|---|---|"] + [
         f"| {s} | {m} | {g} | {t / 1e6:.1f}M |" for s, m, g, t in PUBLISHED]
     text = "\n".join(["# The longest sequence per cluster", "",
                       "Generated by `python benchmarks/long_context_frontier.py` (the planner: "
                       "`tools/plan.py`'s memory plan and time model; 4 GiB of each GPU "
                       "reserved). " + __doc__.split("\n\n")[2].replace("\n", " "), "",
-                      *rows, "", "Published (as quoted in issue 24):", "", *published, ""])
+                      *rows, "", *checks, "Published (as quoted in issue 24):", "",
+                      *published, ""])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -73,7 +73,12 @@ class _Activations:
         if self.recompute == "full":
             self._full_recompute(mem)
         self.per_layer = self.layers_kept // max(1, self.layers)
-        self.head = _head_kept(s) if rank.last else 0
+        # FSDP (ZeRO-2/3) gathers the output weight in the compute dtype already, and the
+        # distributed optimizer holds it so: autocast then makes no copy of it
+        half = cfg.train.bf16 or cfg.train.fp16
+        weight_cast = s.e != F32 and not (rank.zero_stage >= 2 or (
+            half and rank.zero_stage <= 1 and cfg.parallel.use_distributed_optimizer))
+        self.head = _head_kept(s, weight_cast) if rank.last else 0
         self.rotary = 2 * F32 * s.T * s.d // 2 if s.rope and self.layers else 0
         self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
         self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
@@ -214,11 +219,12 @@ def _mlp_terms(s: _Shape) -> dict:
             "mlp hidden": (4 if s.swiglu else 2) * s.e * s.T * s.f}
 
 
-def _head_kept(s: _Shape) -> int:
-    """Final norm, the loss's input (and its e-byte weight copy), its per-token
-    statistics, and the one chunk of exps it keeps when everything fits in one."""
+def _head_kept(s: _Shape, weight_cast: bool) -> int:
+    """Final norm, the loss's input (and autocast's e-byte copy of the weight, where it
+    makes one), its per-token statistics, and the one chunk of exps it keeps when
+    everything fits in one."""
     out = _norm(s) + s.e * s.T * s.h + 25 * s.T
-    if s.e != F32:
+    if weight_cast:
         out += s.e * s.V * s.h
     if s.ce_kept:
         out += F32 * s.T * s.V
