@@ -18,6 +18,9 @@ H100/H200 (GEMMs 65-75% of 989, FlashAttention-2 35-50% without Hopper-specific 
 Gen4 x16 (A100 nodes) ~25 GB/s, Gen5 (H100/H200) ~50. `host_adam_gparams`: how fast
 --optimizer-cpu-offload's host AdamW steps, 1e9 parameters per second per GPU (torch's
 fused CPU AdamW on ~12 cores of a 96-core, 8-GPU node): a guess until measured.
+`host_memory_gib`: a GPU's share of its node's host memory, which offloaded activations
+and optimizer states must fit in (less `HOST_RESERVE`): DGX/HGX A100-80GB, H100 and H200
+nodes and the clouds' 8-GPU instances have ~2 TB, DGX A100-40GB 1 TB.
 
 `ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
 kernel (model/attention/block.py), not flash attention; on CPU it is 1.7x slower than
@@ -46,10 +49,11 @@ class GPU:
     host_gbps: float = 25.0  # host link, GB/s per GPU each way (PCIe Gen4 x16 reaches ~25)
     host_adam_gparams: float = 1.0  # host AdamW (fused, on the GPU's share of the CPU
     # cores), 1e9 parameters/s: an assumption until measured
+    host_memory_gib: float = 232.8  # the GPU's share of its node's host memory (2 TB / 8)
 
 
 GPUS = {g.name: g for g in (
-    GPU("A100-40GB", 312.0, 40.0, 1555.0, 230.0, 23.0, efficiency=0.6),
+    GPU("A100-40GB", 312.0, 40.0, 1555.0, 230.0, 23.0, efficiency=0.6, host_memory_gib=116.4),
     GPU("A100-80GB", 312.0, 80.0, 2039.0, 230.0, 23.0, efficiency=0.6),
     GPU("H100", 989.0, 79.6, 3350.0, 370.0, 46.0, efficiency=0.5, host_gbps=50.0),
     GPU("H200", 989.0, 140.4, 4800.0, 370.0, 46.0, efficiency=0.5, host_gbps=50.0),
@@ -57,6 +61,7 @@ GPUS = {g.name: g for g in (
 
 RESERVE_GIB = 4.0  # default: what the plan's tensors cannot use (CUDA context, NCCL buffers,
 # cuBLAS workspace, the caching allocator's fragmentation)
+HOST_RESERVE = 0.15  # of the host memory: the OS, the data loader, the framework, the page cache
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(GPU) if f.name != "name")
 
 

@@ -87,6 +87,9 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="the ring attention kernel's speed relative to flash attention")
     g.add_argument("--host-gbps", dest="host_gbps", type=float,
                    help="host link, GB/s per GPU each way (--optimizer-cpu-offload's copies)")
+    g.add_argument("--host-memory-gib", dest="host_memory_gib", type=float,
+                   help="a GPU's share of its node's host memory (offloaded activations "
+                   "and optimizer states; 15%% of it reserved)")
     g.add_argument("--host-adam-gparams", dest="host_adam_gparams", type=float,
                    help="host AdamW speed, 1e9 parameters/s per GPU")
     return p

@@ -146,6 +146,10 @@ def evaluate(base: Config, grid: Grid, gpu: GPU, reserve_gib: float,
     except ConfigError as e:
         return Candidate(grid, reason=str(e), kind="invalid")
     p = predict(cfg, cfg.dims, gpu, reserve_gib, device_type)
+    if not p.fits_host:
+        return Candidate(grid, p, reason=f"needs {p.host_bytes / 2 ** 30:.1f} GiB of host "
+                         f"memory per GPU, {p.host_usable_bytes / 2 ** 30:.1f} usable "
+                         "(--host-memory-gib)", kind="memory")
     if not p.fits:
         return Candidate(grid, p, reason=f"needs {p.memory_bytes / 2 ** 30:.1f} GiB on "
                          f"pipeline rank {p.memory_stage}, {p.usable_bytes / 2 ** 30:.1f} "

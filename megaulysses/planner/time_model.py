@@ -50,7 +50,7 @@ from megaulysses.model.attention import mask_from_config
 from megaulysses.model.flops import flops_per_iteration
 from megaulysses.parallel.dims import CP, DP, DP_SP, PP, SP, TP, ParallelDims
 from megaulysses.planner.memory import MemoryPlan, plan_memory
-from megaulysses.hardware import GPU, RESERVE_GIB
+from megaulysses.hardware import GPU, HOST_RESERVE, RESERVE_GIB
 
 GIB = 2 ** 30
 ATTENTION_BACKWARD = 2.5  # flash attention's backward FLOPs over its forward's
@@ -65,6 +65,8 @@ class Prediction:
     memory_bytes: int  # the largest planned peak of a GPU
     memory_stage: int  # the pipeline rank that has it
     usable_bytes: int  # the GPU's memory less the reserve
+    host_bytes: int  # on the host per GPU: offloaded activations and optimizer states
+    host_usable_bytes: int  # the GPU's share of its node's host memory, less HOST_RESERVE
     time_s: float
     compute_s: float  # the slowest stage's compute (all micro-batches)
     exposed_comm_s: float  # communication nothing hides
@@ -82,7 +84,11 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.usable_bytes
+        return self.memory_bytes <= self.usable_bytes and self.fits_host
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_bytes <= self.host_usable_bytes
 
 
 def predict(cfg: Config, dims: ParallelDims, gpu: GPU, reserve_gib: float = RESERVE_GIB,
@@ -101,7 +107,9 @@ def predict(cfg: Config, dims: ParallelDims, gpu: GPU, reserve_gib: float = RESE
     model_flops = flops_per_iteration(cfg.model, gbs)
     return Prediction(
         memory_bytes=plans[biggest].peak_bytes, memory_stage=biggest,
-        usable_bytes=int((gpu.memory_gib - reserve_gib) * GIB), time_s=t["time"],
+        usable_bytes=int((gpu.memory_gib - reserve_gib) * GIB),
+        host_bytes=max(p.host_bytes + p.offload_bytes for p in plans.values()),
+        host_usable_bytes=int(gpu.host_memory_gib * (1 - HOST_RESERVE) * GIB), time_s=t["time"],
         compute_s=t["compute"], exposed_comm_s=t["exposed"], bubble_s=t["bubble"],
         optimizer_s=t["optimizer"], tokens_per_s=gbs * cfg.model.seq_length / t["time"],
         model_tflops=model_flops / t["time"] / world / 1e12,
