@@ -244,9 +244,10 @@ def real_step_seconds(rank: int, world: int, argv: list, untiled: bool, steps: i
     import torch.distributed as dist
     import megaulysses.training.step as tr
     from megaulysses.config import parse_args as parse_flags
+    from megaulysses.training.trainer import Trainer
     logging.disable(logging.INFO)
     with loss_chunks(untiled):
-        trainer = tr.Trainer(parse_flags(argv))
+        trainer = Trainer(parse_flags(argv))
         t = trainer.cfg.train
         times = []
         for i in range(steps + 1):
