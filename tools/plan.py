@@ -240,9 +240,10 @@ def _dtype(train) -> str:
 
 
 def _table(cands: list) -> list:
-    head = ("#", "grid", "GiB/GPU", "s/iter", "tokens/s", "TFLOP/s/GPU", "MFU",
-            "paper TFLOP/s", "exposed comm s", "bubble s")
+    head = ("#", "grid", "GiB/GPU", "host GiB/GPU", "s/iter", "tokens/s", "TFLOP/s/GPU",
+            "MFU", "paper TFLOP/s", "exposed comm s", "bubble s")
     rows = [(str(i + 1), str(c.grid), f"{c.prediction.memory_bytes / GIB:.1f}",
+             f"{c.prediction.host_bytes / GIB:.1f}",
              f"{c.prediction.time_s:.3f}", f"{c.prediction.tokens_per_s:,.0f}",
              f"{c.prediction.model_tflops:.0f}", f"{100 * c.prediction.mfu:.0f}%",
              f"{c.prediction.paper_tflops:.0f}",
@@ -259,7 +260,8 @@ def to_json(result, top: int) -> dict:
         p = c.prediction
         out = dict(grid=str(c.grid), flags=c.grid.flags(), reason=c.reason)
         if p is not None:
-            out.update(memory_gib=p.memory_bytes / GIB, time_s=p.time_s,
+            out.update(memory_gib=p.memory_bytes / GIB, host_gib=p.host_bytes / GIB,
+                       time_s=p.time_s,
                        tokens_per_s=p.tokens_per_s, model_tflops=p.model_tflops,
                        hardware_tflops=p.hardware_tflops, paper_tflops=p.paper_tflops,
                        mfu=p.mfu,
