@@ -54,7 +54,7 @@ class Held:
     asks for it, then on the device again for its recomputation."""
 
     def __init__(self, stash: HostStash, index: int, x: torch.Tensor):
-        self.stash, self.index = stash, index
+        self.stash, self.index, self.where = stash, index, x.device
         self.device: Optional[torch.Tensor] = x  # [b, s, h]
         self.host: Optional[torch.Tensor] = None
         self.ready: Optional[torch.cuda.Event] = None
@@ -104,11 +104,11 @@ class Held:
         if self.device is not None or self.host is None:
             return
         host, s = self.host, self.stash.stream
-        if s is None:
-            self.device = host.clone()  # a fresh, unmarked storage: device memory
+        if s is None:  # on a CPU, a fresh storage (unmarked: device memory); else a copy
+            self.device = host.clone() if self.where.type == "cpu" else host.to(self.where)
             return
         # Allocated on the default stream, which uses it; the side stream only writes it.
-        self.device = torch.empty(host.shape, dtype=host.dtype, device=torch.cuda.current_device())
+        self.device = torch.empty(host.shape, dtype=host.dtype, device=self.where)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             self.device.copy_(host, non_blocking=True)

@@ -58,6 +58,9 @@ GRIDS = {  # name: (world, the ranks run, flags); 1 layer (2 with pp)
     "sp2 (Ulysses), full recompute, fp16 loss scaling": (2, [1], SP2 + [
         "--recompute-granularity", "full", "--fp16"]),
     "sp2, window + packed documents": (2, [1], SP2 + MASKS),
+    "sp2, activation offload + head groups": (2, [1], SP2 + [
+        "--recompute-granularity", "full", "--cpu-offloading-num-layers", "1",
+        "--attention-head-groups", "2", "--bf16"]),
     "FSDP2: dp2, ZeRO-3": (2, [1], ["--zero-stage", "3"]),
     "FSDP2 over tp2 x dp2: ZeRO-3 + Megatron-SP, selective": (4, [3], MEGATRON_SP + [
         "--zero-stage", "3", "--recompute-activations"] + NORMS),
