@@ -113,14 +113,18 @@ def grid_runs(tmp_path_factory):
     return get
 
 
+def train_one(args) -> dict:
+    """One process: train with `args`, return the final parameters (one_process_runs's
+    `params_of`)."""
+    from megaulysses.config import parse_args
+    from megaulysses.training.trainer import Trainer
+    trainer = Trainer(parse_args(args))
+    trainer.train()
+    return {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    def train_one(args):
-        from megaulysses.config import parse_args
-        from megaulysses.training.trainer import Trainer
-        trainer = Trainer(parse_args(args))
-        trainer.train()
-        return {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
     return one_process_runs(tmp_path_factory.mktemp("ref"), {"llama-gqa": []}, train_one)[
         "llama-gqa"]
 
@@ -200,12 +204,6 @@ DEEP = ["--num-layers", "4"]
 def test_zero_under_pipeline_equals_one_process(tmp_path):
     """pp2 x dp2 with tied embeddings: stage 1 (the issue's case) and stage 3 (FSDP roots
     are the pipeline stages, no resharding inside a step)."""
-    def train_one(args):
-        from megaulysses.config import parse_args
-        from megaulysses.training.trainer import Trainer
-        trainer = Trainer(parse_args(args))
-        trainer.train()
-        return {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
     ref_records, ref_params = one_process_runs(tmp_path / "ref", {"deep": DEEP},
                                                train_one)["deep"]
     paths, results = run_stages(tmp_path, 4, DEEP + ["--pipeline-model-parallel-size", "2"],

@@ -21,6 +21,7 @@ from dist import run_ranks
 from helpers import read_jsonl
 from test_parity import assert_same_run, one_process_runs, run_args
 from test_pipeline import assert_grad_norms
+from test_zero import train_one
 
 UNTIED = ["--untie-embeddings-and-output-weights"]
 GRID = ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2",
@@ -86,12 +87,6 @@ def train_and_watch(rank, world, untied_args, tied_args):
 
 
 def test_untied_embedding_and_head_are_units_resharded_after_forward(tmp_path):
-    def train_one(args):
-        from megaulysses.config import parse_args
-        from megaulysses.training.trainer import Trainer
-        trainer = Trainer(parse_args(args))
-        trainer.train()
-        return {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
     ref_records, ref_params = one_process_runs(tmp_path / "ref", {"untied": UNTIED},
                                                train_one)["untied"]
     path, untied_args = run_args(tmp_path, "z3", UNTIED, GRID)
