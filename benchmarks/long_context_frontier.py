@@ -75,20 +75,20 @@ def shape(name: str, gpus: int) -> dict:
     return dict(tp=1, pp=1, sp=sp, cp=gpus // sp, micro_batch=1)
 
 
-def fastest(name: str, gpus: int, gpu, seq: int):
-    """The fastest fitting Candidate at `seq`, or None."""
-    cfg = parse_args(model_flags(name, seq))
+def fastest(name: str, gpus: int, gpu, seq: int, extra: tuple = ()):
+    """The fastest fitting Candidate at `seq` (with the flags `extra`), or None."""
+    cfg = parse_args(model_flags(name, seq) + list(extra))
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=MODELS[name][5]))  # NullTokenizer's
     result = search(cfg, gpus, gpu, shape(name, gpus))
     return (result.ranked[0], cfg) if result.ranked else (None, cfg)
 
 
-def longest(name: str, gpus: int, gpu) -> tuple:
+def longest(name: str, gpus: int, gpu, extra: tuple = ()) -> tuple:
     """(S, Candidate, base config) of the longest S (a multiple of STEP) that fits."""
     fit, miss, best = 0, None, None
     seq = STEP
     while miss is None and seq <= 2 ** 28:
-        c, cfg = fastest(name, gpus, gpu, seq)
+        c, cfg = fastest(name, gpus, gpu, seq, extra)
         if c is None:
             miss = seq
         else:
@@ -96,7 +96,7 @@ def longest(name: str, gpus: int, gpu) -> tuple:
             seq *= 2
     while miss is not None and miss - fit > STEP:
         mid = (fit + miss) // 2 // STEP * STEP
-        c, cfg = fastest(name, gpus, gpu, mid)
+        c, cfg = fastest(name, gpus, gpu, mid, extra)
         if c is None:
             miss = mid
         else:
@@ -162,17 +162,28 @@ def tokens(n: float) -> str:
 
 
 NODE_HOST_GIB = {"2 TB": None, "4 TB": 4e12 / 8 / GIB}  # a GPU's share (None: the table's)
+FP32_RESIDUAL = ("--fp32-residual-connection",)
+TABLES = [  # (title, host GiB a GPU, extra flags, models or None: all); the first: headline
+    ("Nodes of 8 GPUs with 2 TB of host memory (15% of it reserved):",
+     NODE_HOST_GIB["2 TB"], (), None),
+    ("Nodes of 8 GPUs with 4 TB of host memory (15% of it reserved):",
+     NODE_HOST_GIB["4 TB"], (), None),
+    ("For comparison, an fp32 residual stream (`--fp32-residual-connection`; this "
+     "framework's only stream before issue 24), 2 TB nodes: twice the bytes of every "
+     "kept block input, offloaded or not, and of the stream's gradient:",
+     NODE_HOST_GIB["2 TB"], FP32_RESIDUAL, ["Llama-3-8B"]),
+]
 
 
-def frontier(models: list, host_gib) -> tuple[list, dict]:
+def frontier(models: list, host_gib, extra: tuple = ()) -> tuple[list, dict]:
     """(table rows, {gpus: grid} of Llama-3-8B on H100) with `host_gib` of host memory a
-    GPU (None: the GPU table's)."""
+    GPU (None: the GPU table's) and the flags `extra`."""
     headline = {}
     rows = ["| model | GPUs | longest sequence | grid (the planner's fastest there) | "
             "tokens/s | MFU | GiB per GPU: where they go |", "|---|---|---|---|---|---|---|"]
     for name in models:
         for gpus, kind in CLUSTERS:
-            seq, best = longest(name, gpus, gpu_spec(kind, host_memory_gib=host_gib))
+            seq, best = longest(name, gpus, gpu_spec(kind, host_memory_gib=host_gib), extra)
             if best is None:
                 rows.append(f"| {name} | {gpus} x {kind} | < {tokens(STEP)} | | | | |")
                 continue
@@ -194,11 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-small-check", action="store_true",
                    help="skip the fake-rank check of the headline grids")
     args = p.parse_args(argv)
-    tables = []
-    for node, host_gib in NODE_HOST_GIB.items():
-        rows, headline = frontier(args.models.split(","), host_gib)
-        tables += [f"Nodes of 8 GPUs with {node} of host memory (15% of it reserved):", "",
-                   *rows, ""]
+    tables, headline = [], None
+    for title, host_gib, extra, only in TABLES:
+        models = [m for m in args.models.split(",") if only is None or m in only]
+        if not models:
+            continue
+        rows, found = frontier(models, host_gib, extra)
+        headline = found if headline is None else headline
+        tables += [title, "", *rows, ""]
     checks = []
     if not args.no_small_check:
         checks = ["| world | the grid's flags | measured MiB | planned MiB | plan error | "
@@ -210,7 +224,7 @@ def main(argv=None) -> int:
                           f"{r['planned'] / 2 ** 20:.1f} | {err:+.1%} | "
                           f"{r['host'] / 2 ** 20:.1f} |")
             print(checks[-1], flush=True)
-        checks = ["The headline grids (4 TB nodes) at small scale (fake ranks, "
+        checks = ["The headline grids (2 TB nodes) at small scale (fake ranks, "
                   f"{SMALL_LOCAL} tokens a rank, a 4-layer model of hidden 512 with 32 query "
                   "and 8 kv heads; MLP tiles capped at 8, offload of all 4 layers):", "",
                   *checks, ""]

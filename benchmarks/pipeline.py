@@ -181,10 +181,10 @@ def build_pipeline(args, comm: Comm, schedule: str):
     _, core = select_backend("auto", torch.device("cpu"))
     with torch.device("meta"):
         model = keep_stages(GPT(cfg, core), layout, stages)
-        modules = stage_modules(model, layout, stages)
+        modules = stage_modules(model, layout, stages, torch.float32)
     model.to_empty(device="cpu")
     model.init_weights(args.seed)
-    shape = (args.micro_batch, args.seq, args.seq, args.hidden)
+    shape = (args.micro_batch, args.seq, args.seq, args.hidden, torch.float32)
     return model, Pipeline(model, comm, layout, schedule, args.micro_batches, shape,
                            torch.device("cpu"), modules), len(layout) // pp
 

@@ -601,6 +601,7 @@ ALONE = {
     "--disable-bias-linear": [],  # restates the default (Megatron-LM scripts pass it)
     "--add-bias-linear": [],
     "--untie-embeddings-and-output-weights": [],
+    "--fp32-residual-connection": [],  # no effect under fp32, as in Megatron-LM
     "--hidden-dropout": ["0.1"],
     "--attention-dropout": ["0.1"],
     "--init-method-std": ["0.01"],

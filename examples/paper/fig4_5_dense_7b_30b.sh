@@ -7,7 +7,7 @@
 # optimizer). Both: one sample per data-parallel rank a step, full recompute.
 source "$(dirname "$0")/common.sh"
 # Planned to exceed 80 GB a GPU (the test holds every other configuration to 80 GB):
-# expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 5; plan ~109 GiB a GPU: 26 GiB of tp-shard parameters, 52 GiB of kept layer inputs, 18 GiB of a layer's backward with whole-sequence all-gathered inputs): dense-30b-megatron-sp-256k
+# expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 5; plan ~79 GiB a GPU, over the 76 usable of 80 (the planner's 4 GiB reserve): 26 GiB of tp-shard parameters, 28 GiB of kept layer inputs, 19 GiB of a layer's backward with whole-sequence all-gathered inputs): dense-30b-megatron-sp-256k
 TAG=dense
 ATTENTION=()
 sweep_7b_30b

@@ -5,7 +5,7 @@
 # grids of fig4_5_dense_7b_30b.sh (ulysses_run, megatron_sp_run in common.sh).
 source "$(dirname "$0")/common.sh"
 # Planned to exceed 80 GB a GPU (the test holds every other configuration to 80 GB):
-# expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 7; plan ~109 GiB a GPU: 26 GiB of tp-shard parameters, 52 GiB of kept layer inputs, 18 GiB of a layer's backward with whole-sequence all-gathered inputs; the sparse layout saves compute, not these activations): sparse-30b-megatron-sp-256k
+# expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 7; plan ~79 GiB a GPU, over the 76 usable of 80 (the planner's 4 GiB reserve): 26 GiB of tp-shard parameters, 28 GiB of kept layer inputs, 19 GiB of a layer's backward with whole-sequence all-gathered inputs; the sparse layout saves compute, not these activations): sparse-30b-megatron-sp-256k
 TAG=sparse
 ATTENTION=("${SPARSE[@]}")
 sweep_7b_30b

@@ -213,7 +213,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--ckpt-convert-save": (REFUSED, "converting checkpoints in the run "
                                      "(tools/convert_checkpoint.py does)"),
     # mixed precision
-    "--fp32-residual-connection": (REFUSED, "an fp32 residual stream"),
     "--apply-query-key-layer-scaling": (REFUSED, "query-key scaling by the layer number"),
     "--attention-softmax-in-fp32": (NO_EFFECT, "already so here: every attention kernel "
                                                "computes the softmax in fp32"),

@@ -96,6 +96,10 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
     qk_layernorm: bool = option(
         False, "normalize each head of q and of k (Qwen3) before RoPE: a --normalization of "
         "the head dimension, weights shared by the heads", action="store_true")
+    fp32_residual_connection: bool = option(
+        False, "keep the residual stream (the embedding's output, every block's input and "
+        "output, pipeline transfers, offloaded activations) in fp32 under --bf16/--fp16; "
+        "default: in the compute dtype, as Megatron-LM", action="store_true")
     untie_embeddings_and_output_weights: bool = option(
         False, "an output layer of its own instead of the input embedding's weights",
         action="store_true")

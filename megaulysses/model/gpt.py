@@ -59,6 +59,7 @@ class SelfAttention(nn.Module):
         k = self.k(use()).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
         v = self.v(use()).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:  # before RoPE; fp32 out, back to the projections' dtype
+            # (the norms keep q and k as they are, in that dtype)
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
@@ -102,17 +103,24 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Word (and learned position) embeddings: the residual stream's start, in the compute
+    dtype (Megatron-LM's 16-bit residual), or fp32 under --fp32-residual-connection (the
+    16-bit rows widened, summed in fp32)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.fp32_residual = cfg.fp32_residual_connection
         self.word = EmbeddingTable(cfg.padded_vocab_size, cfg.hidden_size)
         self.position = (EmbeddingTable(cfg.max_positions, cfg.hidden_size)
                          if cfg.position_embedding_type == "learned_absolute" else None)
         self.dropout = cfg.hidden_dropout
 
     def forward(self, tokens: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h]
-        x = self.word(tokens)
-        if self.position is not None:
+                position_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        x = self.word(tokens)  # the compute dtype
+        if self.fp32_residual:
+            x = x.float()
+        if self.position is not None:  # (fp32 + 16-bit: summed in fp32)
             x = x + self.position(position_ids)
         return F.dropout(x, self.dropout, self.training)
 

@@ -25,11 +25,12 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
     else itself.
 
     The mixed-precision policy, one for every grid and ZeRO stage: every parameter is used
-    in the compute dtype, as Megatron-LM's 16-bit modules do; masters, gradient sums and the
-    residual stream stay fp32. Autocast rounds the linears' weights itself; norms and
-    embeddings, which it leaves in fp32, round through here. ZeRO-2/3 gather parameters
-    already in the compute dtype (the rounding is then a no-op), so they compute exactly
-    what stages 0/1 compute, and hand on fp32 activations as they do.
+    in the compute dtype, as Megatron-LM's 16-bit modules do; masters and gradient sums
+    stay fp32, the residual stream is in the compute dtype (fp32 under
+    --fp32-residual-connection: `Embedding`). Autocast rounds the linears' weights itself;
+    norms and embeddings, which it leaves in fp32, round through here. ZeRO-2/3 gather
+    parameters already in the compute dtype (the rounding is then a no-op), so they compute
+    exactly what stages 0/1 compute, and hand on the same activations.
     """
     sink = getattr(w, "grad_sink", None)
     if sink is not None and w.requires_grad and torch.is_grad_enabled():
@@ -41,8 +42,8 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 def shared_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """For an fp32 `x` that several linears read under autocast: a function giving each its
-    own handle on ONE rounded copy. Autocast would round x once per linear, and each linear
+    """For an fp32 `x` (a norm's output) that several linears read under autocast: a
+    function giving each its own handle on ONE rounded copy. Autocast would round x once per linear, and each linear
     would keep its own copy for backward (three [T, h] copies for q, k and v); here they
     share one. Each handle is a separate autograd node whose gradient goes back to x in
     fp32, so the linears' input gradients still sum in fp32, as with autocast's copies:
@@ -103,20 +104,24 @@ def _scale(norm: nn.Module) -> torch.Tensor:
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter) with the fused fp32 forward and backward of `rms_norm`:
-    computed in fp32 with the weight in the compute dtype (`compute_weight`)."""
+    """nn.RMSNorm (same parameter) with the fused forward and backward of `rms_norm`:
+    computed in fp32 with the weight in the compute dtype (`compute_weight`), on an input
+    in any dtype (a 16-bit residual stream), which it keeps as is for backward. The output
+    is fp32: the linears reading it round it once (`shared_input`), and their input
+    gradients sum in fp32, as one fused qkv (or gate + fc1) matmul would."""
 
     def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__(size, eps=eps)
         _zero_centered(self, zero_centered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
-        return rms_norm(x.float(), _scale(self), self.eps)
+        return rms_norm(x, _scale(self), self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters) computed in fp32 with its weight and bias in the
-    compute dtype (`compute_weight`)."""
+    compute dtype (`compute_weight`); fp32 out, as RMSNorm. (On a 16-bit input it keeps
+    the fp32 copy F.layer_norm computes on: the planner counts it.)"""
 
     def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__(size, eps=eps)
@@ -129,10 +134,10 @@ class LayerNorm(nn.LayerNorm):
 
 class EmbeddingTable(nn.Embedding):
     """nn.Embedding (same parameter) that looks up the weight in the compute dtype
-    (`compute_weight`) and returns fp32: the residual stream's dtype."""
+    (`compute_weight`): its rows as they are, in that dtype."""
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h]
-        return F.embedding(ids, compute_weight(self.weight)).float()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        return F.embedding(ids, compute_weight(self.weight))
 
 
 def build_norm(kind: str, size: int, eps: float, zero_centered: bool = False) -> nn.Module:

@@ -78,7 +78,7 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     if layout is not None:  # 1
         ids = local_stages(len(layout), dims.pp, comm.rank(PP))
         keep_stages(model, layout, ids)
-        stages = stage_modules(model, layout, ids)
+        stages = stage_modules(model, layout, ids, residual_dtype(cfg, dtype))
     if dims.tp > 1:  # 2
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
     apply_context_parallel(model, comm)  # 3
@@ -101,7 +101,7 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     pipeline = None
     if layout is not None:
         pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
-                            _micro_shape(cfg), device, stages)
+                            _micro_shape(cfg, dtype), device, stages)
     # Megatron-LM's distributed optimizer: 16-bit runs at stage <= 1 (under fp32: ZeRO-1)
     dist_opt = (dtype if par.use_distributed_optimizer and zero_stage <= 1
                 and dtype != torch.float32 else None)
@@ -140,12 +140,19 @@ def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _micro_shape(cfg: RunConfig) -> tuple:
-    """(micro-batch, local tokens of a sample, local tokens between blocks, hidden)."""
+def residual_dtype(cfg: RunConfig, dtype: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype: the compute dtype, fp32 under
+    --fp32-residual-connection (model/gpt.py's Embedding)."""
+    return torch.float32 if cfg.model.fp32_residual_connection else dtype
+
+
+def _micro_shape(cfg: RunConfig, dtype: torch.dtype) -> tuple:
+    """(micro-batch, local tokens of a sample, local tokens between blocks, hidden, the
+    residual stream's dtype)."""
     m, dims = cfg.model, cfg.dims
     s_tok = m.seq_length // dims.seq_degree
     s_hid = s_tok // dims.tp if cfg.parallel.tp_sequence_parallel else s_tok
-    return cfg.train.micro_batch_size, s_tok, s_hid, m.hidden_size
+    return cfg.train.micro_batch_size, s_tok, s_hid, m.hidden_size, residual_dtype(cfg, dtype)
 
 
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,

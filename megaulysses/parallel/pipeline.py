@@ -86,9 +86,10 @@ def keep_stages(model: GPT, layout: list[list[int]], stages: list[int]) -> GPT:
 class StageModule(nn.Module):
     """One pipeline stage: a view over the parts of this rank's GPT that the stage uses."""
 
-    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool,
+                 residual: torch.dtype):
         super().__init__()
-        self.first, self.last = first, last
+        self.first, self.last, self.residual = first, last, residual
         tied_last = last and not model.cfg.untie_embeddings_and_output_weights
         self.embed = model.embed if first or tied_last else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
@@ -103,9 +104,9 @@ class StageModule(nn.Module):
         x = self.gpt.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s/sp, h]
         if self.last:
             return self.gpt.output(x, labels)  # losses [b, s/sp]
-        if x.dtype != torch.float32:  # the next stage would read these bytes as fp32
+        if x.dtype != self.residual:  # the next stage reads these bytes as `residual`
             raise RuntimeError(f"the pipeline stage of layers {list(self.layers)} sends "
-                               f"{x.dtype} hidden states; stages exchange fp32")
+                               f"{x.dtype} hidden states; stages exchange {self.residual}")
         return x
 
 
@@ -224,12 +225,13 @@ class _Stage(PipelineStage):
             _cut_graph(state[2])  # the stage output: the loss on the last stage
 
 
-def stage_modules(model: GPT, layout: list[list[int]],
-                  stage_ids: list[int]) -> list[StageModule]:
+def stage_modules(model: GPT, layout: list[list[int]], stage_ids: list[int],
+                  residual: torch.dtype) -> list[StageModule]:
     """This rank's stages as modules (views over `model`), before anything is materialized:
-    under ZeRO-2/3 each is an FSDP root, sharded while still on the meta device."""
+    under ZeRO-2/3 each is an FSDP root, sharded while still on the meta device.
+    `residual`: the residual stream's dtype, which the stages exchange."""
     last = len(layout) - 1
-    return [StageModule(model, layout[s], s == 0, s == last) for s in stage_ids]
+    return [StageModule(model, layout[s], s == 0, s == last, residual) for s in stage_ids]
 
 
 class Pipeline:
@@ -237,7 +239,8 @@ class Pipeline:
 
     `modules`: `stage_modules(model, layout, local_stages(...))`, materialized.
     `micro_shape`: (micro-batch size, local tokens per sample = seq / sp, local tokens
-    between blocks = seq / sp, or seq / (sp * tp) under Megatron-SP, hidden size).
+    between blocks = seq / sp, or seq / (sp * tp) under Megatron-SP, hidden size, the
+    residual stream's dtype).
     """
 
     def __init__(self, model: GPT, comm: Comm, layout: list[list[int]], schedule: str,
@@ -262,13 +265,14 @@ class Pipeline:
         self._grad_scales: list[float] = []
 
     def _stage(self, module, s: int, num_stages: int, micro_shape: tuple, device):
-        b, s_tok, s_hid, h = micro_shape
+        b, s_tok, s_hid, h, residual = micro_shape
         first, last = s == 0, s == num_stages - 1
         # Shapes given up front ("static" stages): no shape-inference pass at the first step.
-        hidden = dict(device="meta", requires_grad=True)  # their gradients travel back
+        hidden = dict(device="meta", requires_grad=True, dtype=residual)  # gradients travel back
         inputs = (torch.empty(b, s_tok, dtype=torch.long, device="meta") if first
                   else torch.empty(b, s_hid, h, **hidden))
-        outputs = (torch.empty(b, s_tok, **hidden) if last else torch.empty(b, s_hid, h, **hidden))
+        outputs = (torch.empty(b, s_tok, device="meta", requires_grad=True) if last  # fp32 losses
+                   else torch.empty(b, s_hid, h, **hidden))
         return _Stage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
                       group=self.comm.group(PP), comm=self.comm)
 

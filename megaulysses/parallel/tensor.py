@@ -121,11 +121,13 @@ class VocabParallelEmbedding(nn.Module):
         self.mesh = tp_mesh
         self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> fp32 [b, s, h], whole
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h], whole
         w = compute_weight(self.weight).to_local()  # [V/tp, h]: rows [start, start + V/tp)
         local = ids - self.mesh.get_local_rank() * w.shape[0]
         outside = (local < 0) | (local >= w.shape[0])  # [b, s]
-        part = F.embedding(local.masked_fill(outside, 0), w).float()  # [b, s, h]
+        # In the compute dtype, as the whole table's lookup: one rank's row plus zeros is
+        # exact in any dtype, so the all-reduce moves 16-bit rows under --bf16/--fp16.
+        part = F.embedding(local.masked_fill(outside, 0), w)  # [b, s, h]
         part = part.masked_fill_(outside.unsqueeze(-1), 0.0)  # this rank's share of the sum
         return DTensor.from_local(part, self.mesh, [Partial()]).redistribute(
             self.mesh, [Replicate()]).to_local()

@@ -66,9 +66,9 @@ def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecision
     """Gather parameters in the compute dtype (bf16/fp16: half the all-gather bytes), reduce
     gradients in `reduce`; the sharded parameters (the master copy) stay fp32. This is the
     one mixed-precision policy of every stage (`layers.compute_weight`: every parameter used
-    in the compute dtype, fp32 residual stream), so stages 2/3 compute what 0/1 compute.
-    Block inputs are not cast: the residual stream stays fp32 and autocast picks each op's
-    dtype. Gradients accumulated over micro-batches stay in `reduce` (FSDP upcasts them)."""
+    in the compute dtype), so stages 2/3 compute what 0/1 compute. Block inputs are not
+    cast: the residual stream keeps the dtype the embedding gave it (16-bit, or fp32 under
+    --fp32-residual-connection) and autocast picks each op's dtype. Gradients accumulated over micro-batches stay in `reduce` (FSDP upcasts them)."""
     return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                 reduce_dtype=reduce, cast_forward_inputs=False)
 

@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any, Optional
 
+import torch
+
 from megaulysses.model.gpt import count_parameters, parameter_count
 from megaulysses.parallel.comm import BYTE_KINDS
 from megaulysses.parallel.dims import CP, DP_SP, PP
@@ -69,10 +71,12 @@ def log_startup(run: Run) -> None:
              f"{', q/k norm' if m.qk_layernorm else ''}, "
              f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings")
     log.info("model: %d layers, hidden %d, ffn %d, %d heads / %d kv heads, seq %d, "
-             "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s",
-             m.num_layers, m.hidden_size, m.ffn_size, m.num_attention_heads, m.num_kv_heads,
-             m.seq_length, m.vocab_size, m.padded_vocab_size, style,
-             parameter_count(m) / 1e6, run.backend, run.dtype, run.device)
+             "vocab %d (padded %d); %s; %.2fM parameters; attention %s; %s on %s, "
+             "residual stream %s", m.num_layers, m.hidden_size, m.ffn_size,
+             m.num_attention_heads, m.num_kv_heads, m.seq_length, m.vocab_size,
+             m.padded_vocab_size, style, parameter_count(m) / 1e6, run.backend, run.dtype,
+             run.device, "fp32" if m.fp32_residual_connection or run.dtype == torch.float32
+             else f"{run.dtype} (--fp32-residual-connection: fp32)")
     log.info("grid: world %d = dp %d x tp %d x pp %d x sp %d (Ulysses) x cp %d (ring)%s",
              d.world, d.dp, d.tp, d.pp, d.sp, d.cp, "; Megatron sequence parallel in tp" if
              run.cfg.parallel.tp_sequence_parallel else "")

@@ -75,7 +75,15 @@ GRIDS = {  # world -> {name: flags}
             "--sequence-parallel", "--use-distributed-optimizer", "--grad-reduce-in-bf16",
             "--bf16"] + FULL,
         "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"],
-        "cp2 (ring), bf16, none, core-bound": CP2 + CORE_BOUND + ["--bf16"]},
+        "cp2 (ring), bf16, none, core-bound": CP2 + CORE_BOUND + ["--bf16"],
+        # the residual stream in 16 bits (the default) and in fp32
+        "pp2 1f1b, bf16, full, offload 1 layer, 4 micro-batches": PP2 + [
+            "--global-batch-size", "8", "--bf16", "--cpu-offloading-num-layers", "1"] + FULL,
+        "sp2, ZeRO-3, full, MLP tiled 2, bf16": SP2 + [
+            "--zero-stage", "3", "--tiled-mlp-chunks", "2", "--bf16"] + FULL,
+        "sp2, ZeRO-3, full, MLP tiled 2, bf16, fp32 residual": SP2 + [
+            "--zero-stage", "3", "--tiled-mlp-chunks", "2", "--bf16",
+            "--fp32-residual-connection"] + FULL},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
             "--sequence-parallel", "--zero-stage", "3"] + SELECTIVE,
         "pp2 x sp2, ZeRO-1, full, 4 micro-batches": PP2 + SP2 + [

@@ -98,6 +98,7 @@ def _planned(hq: int, hkv: int, e: int, cp: int, cp_rank: int) -> tuple[int, int
     from megaulysses.planner import memory as mp
     T = B * S // cp
     s = mp._Shape(b=B, S=S, T=T, Tr=T, h=hq * D, d=D, hq=hq, hkv=hkv, kv=hkv, f=1, V=1, e=e,
+                  r=e,
                   tp=1, sp=1, cp=cp, mega_sp=False, swiglu=False, rope=False,
                   layernorm=False, hidden_dropout=False, kernel="ring", ce_rows=1,
                   fused=True, cp_rank=cp_rank)

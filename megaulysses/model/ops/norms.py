@@ -1,5 +1,5 @@
-"""RMSNorm with a hand-written backward (`rms_norm`, fused for fp32 inputs; autograd's has
-~2x the passes); other dtypes take F.rms_norm.
+"""RMSNorm with a hand-written backward (`rms_norm`; autograd's has ~2x the passes),
+computed in fp32 on an input of any float dtype, which it keeps as given.
 """
 
 from __future__ import annotations
@@ -17,29 +17,33 @@ class _RMSNorm(torch.autograd.Function):
     about twice the passes and temporaries.) Backward keeps the input x, not x_hat, and
     recomputes x_hat = x * rstd (the same op, the same values): x is the residual stream,
     which something else usually holds anyway (a recomputed group's input, the tiled
-    MLP's checkpoint), so the norm adds only rstd to what a layer keeps.
+    MLP's checkpoint), so the norm adds only rstd to what a layer keeps. A 16-bit x (the
+    residual stream under --bf16/--fp16) is kept in 16 bits and widened where used; the
+    output is fp32 and x's gradient comes back in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):  # x [..., h], weight [h]
-        sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()  # sum(x^2) [..., 1]
+    def forward(ctx, x, weight, eps: float):  # x [..., h] any float dtype, weight [h] fp32
+        xf = x.float()  # x itself when fp32
+        sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_()  # sum(x^2) [..., 1]
         rstd = sq.div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
-        return (x * rstd).mul_(weight)
+        return (xf * rstd).mul_(weight)  # fp32
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # grad fp32 [..., h]
         x, weight, rstd = ctx.saved_tensors
-        x_hat = x * rstd
+        x_hat = x.float() * rstd
         dw = (grad * x_hat).sum(dim=tuple(range(grad.dim() - 1)))  # [h]
         gw = grad * weight
         dot = (gw * x_hat).mean(dim=-1, keepdim=True)  # [..., 1]
         dx = gw.addcmul_(x_hat, dot, value=-1).mul_(rstd)
-        return dx, dw, None
+        return dx.to(x.dtype), dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm(x, (h,), weight, eps) over the last dim; fused for fp32 inputs."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """F.rms_norm(x.float(), (h,), weight, eps) over the last dim: fp32 out, for x of any
+    float dtype (kept for backward as given, not widened) and an fp32 weight."""
+    if weight.dtype != torch.float32 or not x.is_floating_point():
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
     return _RMSNorm.apply(x, weight, eps)

@@ -3,12 +3,13 @@ per layer and outside the layers, under recomputation, and what its backward add
 (`_Activations`).
 
 Activations a layer keeps for backward, bytes (each term by name in `layer_terms`):
-    attn norm    RMSNorm (fused): x_hat 4*T'*h + rstd 4*T' (LayerNorm: input, mean, rstd)
+    attn norm    RMSNorm (fused): its input, the residual stream, r*T'*h, + rstd 4*T'
+                 (LayerNorm: its input widened to fp32, mean, rstd: 4*T'*(h + 2))
     attn input   the normed input q, k, v save: one fp32 tensor 4*T*h (Megatron-SP: the
                  all-gathered whole one); under autocast one e-byte copy, e*T*h, which the
                  three share (layers.shared_input)
-    qk norms     --qk-layernorm: as attn norm over rows of d, T*(hq + hkv) of them:
-                 4*T*(hq + hkv)*(d + 1) (LayerNorm: d + 2)
+    qk norms     --qk-layernorm: as attn norm over rows of d, T*(hq + hkv) of them, on
+                 q and k in the compute dtype: T*(hq + hkv)*(e*d + 4) (LayerNorm: 4*(d + 2))
     core         recompute none, CPU block kernel (fp32, no dropout, S <= 1024): q*scale,
                  k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
                  (sample, core head) the sum over query blocks of 64 rows of rows*keys,
@@ -30,23 +31,23 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
     mlp input    as attn input, for fc1 and gate: one copy under autocast, which they
                  share (layers.shared_input)
     mlp hidden   SwiGLU: gate out, silu out, fc1 out, their product, 4*e*T*f (GeLU: 2)
-    dropout      with --hidden-dropout: two masks, 2 * 4*T'*h on CPU (a float mask in the
-                 fp32 residual's dtype), 2 * T'*h on CUDA (the fused dropout's bool mask)
+    dropout      with --hidden-dropout: two masks, 2 * e*T'*h on CPU (a mask in the
+                 sublayer output's dtype), 2 * T'*h on CUDA (the fused dropout's bool mask)
   --tiled-mlp-chunks N > 1: mlp norm, input and hidden give way to the MLP's input (the
-    residual stream, 4*T'*h) that the per-chunk checkpoints keep.
-  --recompute-granularity full: a checkpointed group keeps its input, 4*T'*h; method
+    residual stream, r*T'*h) that the per-chunk checkpoints keep.
+  --recompute-granularity full: a checkpointed group keeps its input, r*T'*h; method
     block: the first --recompute-num-layers layers of a stage one by one, the rest keep
     everything. --cpu-offloading-num-layers N: the inputs of the groups starting in the
     first N layers of a stage are in host memory instead (`host`); a group's attention
     backward then also holds the previous group's input, on its way back (`prefetch`).
 Outside the layers, per micro-batch: RoPE's cos and sin for the micro-batch's positions,
 computed once per forward and shared by every layer, 2 * 4*T*d/2; the last stage keeps
-the final norm (4*T'*h), the loss's input (e*T*h; under autocast also its e-byte copy of
+the final norm (r*T'*h + 4*T'), the loss's input (e*T*h; under autocast also its e-byte copy of
 the output weight, e*V*h), ~25 bytes a token of statistics and, when the fused cross
 entropy has one chunk (T*V <= 2^23 elements on CPU, 2^28 on CUDA), its exps 4*T*V; a
-non-last pipeline stage keeps its output (4*T'*h) until the micro-batch's backward; the
+non-last pipeline stage keeps its output (r*T'*h) until the micro-batch's backward; the
 first stage under tp the lookup's mask and ids (~9 bytes a token), with dropout the
-embedding's mask (4*T'*h).
+embedding's mask (r*T'*h on CPU, T'*h on CUDA).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ class _Activations:
             half and rank.zero_stage <= 1 and cfg.parallel.use_distributed_optimizer))
         self.head = _head_kept(s, weight_cast) if rank.last else 0
         self.rotary = 2 * F32 * s.T * s.d // 2 if s.rope and self.layers else 0
-        self.output = 0 if rank.last else F32 * s.Tr * s.h  # the pipeline keeps it
+        self.output = 0 if rank.last else s.r * s.Tr * s.h  # the pipeline keeps it
         self.embedding = 9 * s.T if rank.first and s.tp > 1 else 0  # vocab-parallel ids
         if rank.first and s.hidden_dropout:
-            self.embedding += s.mask_e * s.Tr * s.h
+            self.embedding += s.embed_mask_e * s.Tr * s.h
         self.tied = (not cfg.model.untie_embeddings_and_output_weights and rank.first
                      and rank.last)
 
@@ -93,7 +94,7 @@ class _Activations:
         (and groups) run forward again."""
         from megaulysses.parallel.recompute import layer_groups
         layer = sum(self.terms.values())  # what a layer holds while recomputed
-        x = F32 * self.s.Tr * self.s.h  # a group's input
+        x = self.s.r * self.s.Tr * self.s.h  # a group's input
         self.layers_kept, layers, groups = 0, 0, 0
         for n in (n for n in self.rank.stage_layers if n):
             cut = layer_groups(n, mem.recompute_method, mem.recompute_num_layers)
@@ -127,15 +128,15 @@ class _Activations:
         live = kept - self.head + self.recomputed  # the head's tensors are freed by now
         if self.tied:  # the loss's gradient of the tied embedding waits for the lookup's
             live += F32 * s.V * s.h
-        stream = F32 * s.Tr * s.h  # the residual stream's gradient
+        stream = s.r * s.Tr * s.h  # the residual stream's gradient
         if self.rank.last:  # and the loss's input gradient, still referenced (measured)
-            stream += F32 * s.Tr * s.h
+            stream += s.r * s.Tr * s.h
         # Megatron-SP: fc2's reduce-scatter's backward all-gathers that gradient (per chunk
         # when tiled); it lives through fc2's backward, and recomputation runs meanwhile.
-        gathered = F32 * s.T * s.h // self.chunks if s.mega_sp else 0
+        gathered = s.r * s.T * s.h // self.chunks if s.mega_sp else 0
         mlp = 2 * s.e * s.T * s.f // self.chunks + stream + gathered
         if self.chunks > 1:  # one chunk of the MLP recomputed; the chunks' input gradients
-            mlp += sum(_mlp_terms(s).values()) // self.chunks + F32 * s.Tr * s.h
+            mlp += sum(_mlp_terms(s).values()) // self.chunks + s.r * s.Tr * s.h
         out["mlp backward"] = live + mlp
         freed = sum(v for k, v in self.terms.items() if k.startswith("mlp") or k == "out input")
         core = _core_backward(s)
@@ -177,8 +178,9 @@ class _Activations:
 def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     """What one layer keeps for backward, by term (a recomputed layer: while it is)."""
     t = {"attn norm": _norm(s), "attn input": _linear_input(s, 1)}  # q, k, v share one copy
-    if s.qk_norm:  # their fp32 x_hat and rstd (LayerNorm: input, mean, rstd) per head
-        t["qk norms"] = F32 * s.T * (s.hq + s.hkv) * (s.d + (2 if s.layernorm else 1))
+    if s.qk_norm:  # per head: RMSNorm its input (q, k) and rstd; LayerNorm as _norm
+        rows = s.T * (s.hq + s.hkv)
+        t["qk norms"] = rows * (F32 * (s.d + 2) if s.layernorm else s.e * s.d + F32)
     if selective:
         t["core inputs"] = s.e * s.T * (s.hq + 2 * s.kv) * s.d
     else:
@@ -186,7 +188,7 @@ def _layer_terms(s: _Shape, selective: bool, chunks: int) -> dict:
     if not _core_out_is_saved(s, selective):
         t["out input"] = s.e * s.T * s.hq * s.d
     if chunks > 1:
-        t["mlp (tiled) input"] = F32 * s.Tr * s.h
+        t["mlp (tiled) input"] = s.r * s.Tr * s.h
     else:
         t.update(_mlp_terms(s))
     if s.hidden_dropout:
@@ -205,7 +207,11 @@ def _core_out_is_saved(s: _Shape, selective: bool) -> bool:
 
 
 def _norm(s: _Shape) -> int:
-    return F32 * s.Tr * (s.h + (2 if s.layernorm else 1))
+    """RMSNorm keeps its input as given (the residual stream) and rstd; LayerNorm the fp32
+    input F.layer_norm computes on, mean and rstd."""
+    if s.layernorm:
+        return F32 * s.Tr * (s.h + 2)
+    return s.Tr * (s.r * s.h + F32)
 
 
 def _linear_input(s: _Shape, linears: int) -> int:

@@ -36,7 +36,7 @@ The peak is the largest of these moments (the table shows which):
 from __future__ import annotations
 
 from megaulysses.planner.memory.activations import _Activations
-from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
+from megaulysses.planner.memory.shapes import _RankLayout, _Shape
 from megaulysses.planner.memory.states import _States
 
 BATCH_BYTES_PER_TOKEN = 3 * 8 + 4  # tokens, labels, positions (int64), loss mask (fp32)
@@ -51,7 +51,7 @@ def _held_outside_model(s: _Shape, rank: _RankLayout, pp: int, full_recompute: b
     batches = rank.m * per_micro * (2 if pp > 1 else 1)
     if pp == 1:
         return batches
-    return batches + _p2p_buffers(rank, full_recompute) * F32 * s.Tr * s.h
+    return batches + _p2p_buffers(rank, full_recompute) * s.r * s.Tr * s.h
 
 
 def _p2p_buffers(rank: _RankLayout, full_recompute: bool) -> int:

@@ -5,9 +5,9 @@ Notation, per rank: b micro-batch, S sequence, C = cp ring ranks, T = b*S/(sp*C)
 micro-batch on this rank, T' = T/tp between sublayers under Megatron-SP (else T), h hidden,
 d head dim, hq and hkv the q and kv heads of this tensor-parallel rank (/tp), kv = hkv, or
 max(hkv, sp) when Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes
-of the compute dtype (4; 2 under bf16/fp16 autocast), 4 = fp32: the residual stream, norms,
-rotary angles, softmax statistics and every master parameter, gradient and AdamW state are
-fp32. The attention core holds S/C positions of hq/sp heads: Q = T*hq*d elements of q (and
+of the compute dtype (4; 2 under bf16/fp16 autocast), r = bytes of the residual stream (e;
+4 under --fp32-residual-connection), 4 = fp32: the norms' outputs, rotary angles, softmax
+statistics and every master parameter, gradient and AdamW state are fp32. The attention core holds S/C positions of hq/sp heads: Q = T*hq*d elements of q (and
 of out), K = T*kv*d of k (and v), lse = 4*b*(hq/sp)*S/C bytes of fp32 logsumexp.
 
 Micro-batches in flight on pipeline rank r: 1f1b min(m, pp - r); gpipe m;
@@ -105,6 +105,7 @@ class _Shape:
     f: int
     V: int
     e: int  # bytes of the compute dtype
+    r: int  # bytes of the residual stream's dtype
     tp: int
     sp: int
     cp: int  # C: ring ranks
@@ -116,8 +117,8 @@ class _Shape:
     kernel: str  # block | masked | ring | sdpa | fused | sdpa-math | math
     ce_rows: int  # rows of a cross-entropy chunk
     block: int = 64  # masked / ring: the kernel's block of query (and key) positions
-    mask_e: int = F32  # bytes of a dropout mask's element: CUDA's fused dropout keeps a
-    # bool mask, CPU's a mask in the input's dtype (the fp32 residual stream)
+    mask_e: int = F32  # bytes of a hidden-dropout mask's element: CUDA's fused dropout
+    # keeps a bool mask, CPU's a mask in the input's dtype (a sublayer's output: e)
     keys: int = 0  # masked / ring: the most keys one query block attends in one call
     # (the ring: at its first step, the rank's own keys)
     keys_later: int = 0  # the ring's later steps: the most keys of another rank's
@@ -128,6 +129,11 @@ class _Shape:
     qk_norm: bool = False  # --qk-layernorm: per-head norms of q and k
     groups: int = 1  # --attention-head-groups: the core runs by groups of heads (cores.py)
     selective: bool = False  # --recompute-activations (cores.py's head groups need it)
+
+    @property
+    def embed_mask_e(self) -> int:
+        """Bytes of the embedding dropout mask's element (its input: the residual stream)."""
+        return 1 if self.mask_e == 1 else self.r
 
     @property
     def ce_kept(self) -> bool:
@@ -184,13 +190,15 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
               else (64, 0, 0, 0))
     hkv = m.num_kv_heads // tp
     V = m.padded_vocab_size // tp
+    e = 2 if t.bf16 or t.fp16 else F32
     return _Shape(b=t.micro_batch_size, S=m.seq_length, T=T, Tr=T // tp if mega_sp else T,
                   h=m.hidden_size, d=m.head_dim, hq=m.num_attention_heads // tp, hkv=hkv,
                   kv=max(hkv, sp) if sp > 1 and hkv % sp else hkv, f=m.ffn_size // tp, V=V,
-                  e=2 if t.bf16 or t.fp16 else F32, tp=tp, sp=sp, cp=cp, mega_sp=mega_sp,
+                  e=e, r=F32 if m.fp32_residual_connection else e, tp=tp, sp=sp, cp=cp,
+                  mega_sp=mega_sp,
                   swiglu=m.swiglu, rope=m.position_embedding_type == "rope",
                   layernorm=m.normalization == "LayerNorm", hidden_dropout=m.hidden_dropout > 0,
-                  mask_e=1 if device_type == "cuda" else F32,
+                  mask_e=1 if device_type == "cuda" else e,
                   qk_norm=m.qk_layernorm, groups=cfg.memory.attention_head_groups,
                   selective=cfg.memory.recompute_granularity == "selective",
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],

@@ -105,9 +105,9 @@ def _tensor_parallel(out: dict, cfg: Config, s: _Shape, rank: _RankLayout, forwa
     if s.qk_norm:  # q_norm and k_norm: replicated, partial gradients of this rank's heads
         out[ar] += 2 * F32 * s.d * (2 if s.layernorm else 1) * frac * 2 * layers * norm_syncs
     if rank.first:
-        out[ar] += 2 * F32 * full * frac * m  # the lookup's partial sums
+        out[ar] += 2 * s.e * full * frac * m  # the lookup's partial sums (compute dtype)
         if s.mega_sp:
-            out[ag] += F32 * full * frac * m  # its gradient, made whole
+            out[ag] += s.r * full * frac * m  # its gradient, made whole
     if rank.last:
         out[ar] += 2 * 3 * F32 * s.T * frac * m  # row max, sum of exps, picked
         if s.mega_sp:  # the loss gathers its input, backward reduce-scatters the gradient
@@ -144,7 +144,7 @@ def _pipeline_p2p(out: dict, cfg: Config, s: _Shape, st: _States, rank: _RankLay
     input gradients backward (but the first); the tied embedding's gradient (ZeRO: its
     rows) goes between the first and the last stage."""
     sends = 2 * rank.chunks - rank.first - rank.last
-    out[(PP, "p2p")] += sends * rank.m * F32 * s.Tr * s.h
+    out[(PP, "p2p")] += sends * rank.m * s.r * s.Tr * s.h  # the residual stream
     tied = not cfg.model.untie_embeddings_and_output_weights
     if tied and rank.first != rank.last:
         rows = s.V if st.stage == 0 else -(-s.V // st.n)
