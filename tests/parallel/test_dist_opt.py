@@ -8,7 +8,8 @@ sharded over dp x sp.
    gradient sums, so the losses are *equal*; gradient norms equal to 1e-9 (the tied
    embedding's two gradients are summed in another fp32 order). Two cases are held to the
    dtype matrix's bf16 tolerances instead, and say why.
-2. Checkpoints keep the fp32 main weights: bit-equal to ZeRO-1's saved fp32 parameters; a
+2. Checkpoints keep the fp32 main weights: bit-equal to ZeRO-1's saved fp32 parameters (the
+   tied embedding to 1e-6: its gradients' fp32 summation order, as in 1.); a
    resumed run continues bit-exactly; the checkpoint loads under ZeRO-3 and one process.
 3. Bytes: the peak model-state bytes per parameter during a step with gradient
    accumulation (2 micro-batches per rank), from the live-bytes tracker, are Megatron-LM's
@@ -165,6 +166,11 @@ def test_checkpoint_keeps_fp32_main_weights_and_resumes_exactly(runs):
     assert set(do) == set(z1)
     for name, t in do.items():
         assert t.dtype == torch.float32, name
+        if name == "embed.word.weight":  # tied: its two uses' gradients are summed in
+            # another fp32 order (module doc); measured 1 element of 40960 off by 1 ulp
+            # (8e-8 relative) since the residual stream is bf16
+            assert torch.allclose(t, z1[name], rtol=1e-6, atol=0), name
+            continue
         assert torch.equal(t, z1[name]), name  # ZeRO-1's fp32 masters, bit for bit
     whole = steps(runs / "c-do.jsonl")
     assert steps(runs / "resume-do.jsonl") == whole[2:]  # step 3, resumed: bit-exact
