@@ -16,6 +16,8 @@ vocab 32000, fp32, AdamW) on 8 ranks, five setups:
     d   ours without recomputation or tiling (Ulysses sp8 + ZeRO-3, untiled loss)
     c+o c with every layer's kept input offloaded to host memory (issue 24): device bytes
         count against the budget, the host bytes are reported beside them
+    c+f c+o with Ulysses attention in 8 sequence chunks (FPDT, --ds-sequence-parallel-fpdt)
+        whose q, k, v, output chunks and key/value gradient sums are on the host
 
 For each, the longest sequence (a multiple of --step, 1024) whose whole training step fits
 --budget-gib of live tensor bytes per rank: what the rank holds before the step
@@ -85,12 +87,16 @@ class Setup:
     flags: tuple
     untiled_loss: bool
     tiled_mlp: bool
+    fpdt_chunks: int = 0  # --ds-sequence-parallel-fpdt with this many chunks, offloading
 
     def argv(self, seq: int, tile_rows: int) -> list:
         out = MODEL + list(self.flags) + ["--seq-length", str(seq),
                                           "--max-position-embeddings", str(seq)]
         if self.tiled_mlp:
             out += ["--tiled-mlp-chunks", str(mlp_chunks(seq, self.gathers_mlp, tile_rows))]
+        if self.fpdt_chunks:
+            out += ["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-offloading",
+                    "--ds-sequence-parallel-fpdt-chunk-size", str(seq // self.fpdt_chunks)]
         return out
 
     @property
@@ -109,6 +115,8 @@ SETUPS = [
           False),
     Setup("c+o", "c + activation offload to host (--cpu-offloading-num-layers 4)",
           tuple(SP8_Z3 + FULL + ["--cpu-offloading-num-layers", "4"]), False, True),
+    Setup("c+f", "c+o + chunked Ulysses attention, chunks on the host (FPDT, 8 chunks)",
+          tuple(SP8_Z3 + FULL + ["--cpu-offloading-num-layers", "4"]), False, True, 8),
 ]
 C_BEFORE_ISSUE_24 = 178176  # (c)'s longest length before issue 24's working-set changes
 
@@ -295,7 +303,7 @@ def report(results: dict, args) -> str:
             mark = "" if target is None else f" (target >= {target}: " \
                 f"{'met' if ratio >= target else 'NOT met'})"
             lines.append(f"ratio ({num})/({den}): {ratio:.2f}{mark}")
-    for name in ("c", "c+o"):
+    for name in ("c", "c+o", "c+f"):
         if got.get(name):
             ratio = got[name] / C_BEFORE_ISSUE_24
             lines.append(f"({name}) / (c) before issue 24 ({C_BEFORE_ISSUE_24:,}): {ratio:.2f} "

@@ -1,6 +1,7 @@
 """The rules of the activation-memory flags that full recomputation or the grid decide:
---cpu-offloading-num-layers (needs full recomputation: it moves what that keeps) and
---attention-head-groups (the heads a rank attends over must split into those groups)."""
+--cpu-offloading-num-layers (needs full recomputation: it moves what that keeps),
+--attention-head-groups (the heads a rank attends over must split into those groups) and
+--ds-sequence-parallel-fpdt (chunked Ulysses attention: parallel/fpdt.py's limits)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,36 @@ def check_offload(mem: MemoryConfig, fewest_stage_layers: int) -> None:
     require(n <= fewest_stage_layers, "--cpu-offloading-num-layers",
             f"{n} is more than the {fewest_stage_layers} layers of a pipeline stage (it "
             "counts layers per stage)")
+
+
+def fpdt_chunks(m: ModelConfig, mem: MemoryConfig) -> int:
+    """Chunks of the sequence under --ds-sequence-parallel-fpdt (0: off)."""
+    if not mem.ds_sequence_parallel_fpdt:
+        return 0
+    return m.seq_length // min(mem.ds_sequence_parallel_fpdt_chunk_size, m.seq_length)
+
+
+def check_fpdt(dims: ParallelDims, m: ModelConfig, mem: MemoryConfig) -> None:
+    flag = "--ds-sequence-parallel-fpdt"
+    if not mem.ds_sequence_parallel_fpdt:
+        require(not mem.ds_sequence_parallel_fpdt_offloading,
+                "--ds-sequence-parallel-fpdt-offloading", f"needs {flag}")
+        require(mem.ds_sequence_parallel_fpdt_chunk_size == 65536,
+                "--ds-sequence-parallel-fpdt-chunk-size", f"needs {flag}")
+        return
+    require(dims.sp > 1, flag, "needs Ulysses (--ds-sequence-parallel-size > 1)")
+    require(dims.cp == 1, flag, "runs without ring attention (--context-parallel-size 1)")
+    require(m.attention_dropout == 0, flag, "has no attention dropout "
+            f"(--attention-dropout 0, got {m.attention_dropout})")
+    require(mem.attention_head_groups == 1, flag, "and --attention-head-groups are two "
+            "ways of cutting attention: use one")
+    kv = m.num_kv_heads // dims.tp
+    require(kv % dims.sp == 0, flag, f"needs the kv heads of a tensor rank ({kv}) divisible "
+            f"by --ds-sequence-parallel-size {dims.sp} (no kv head repeats)")
+    chunk = min(mem.ds_sequence_parallel_fpdt_chunk_size, m.seq_length)
+    require(m.seq_length % chunk == 0 and chunk % dims.sp == 0,
+            "--ds-sequence-parallel-fpdt-chunk-size", f"{chunk} must divide --seq-length "
+            f"{m.seq_length} and be divisible by --ds-sequence-parallel-size {dims.sp}")
 
 
 def check_head_groups(dims: ParallelDims, m: ModelConfig, groups: int) -> None:

@@ -160,6 +160,20 @@ class MemoryConfig:
         "this many groups of the rank's heads one after another, each recomputed in "
         "backward: the whole-sequence q, k, v and output exist for one group at a time; "
         "must divide the heads a rank attends over", kind="positive")
+    ds_sequence_parallel_fpdt: bool = option(
+        False, "Ulysses attention by chunks of the sequence (FPDT): the all-to-alls and the "
+        "core run per chunk of --ds-sequence-parallel-fpdt-chunk-size tokens, so the "
+        "whole-sequence q, k, v, output and their gradients never exist at once; needs "
+        "Ulysses, no ring, no attention dropout, kv heads a multiple of sp",
+        action="store_true")
+    ds_sequence_parallel_fpdt_chunk_size: int = option(
+        65536, "with --ds-sequence-parallel-fpdt: tokens of the whole sequence per chunk "
+        "(sp ranks hold 1/sp of them each before the all-to-all); the sequence if shorter",
+        kind="positive")
+    ds_sequence_parallel_fpdt_offloading: bool = option(
+        False, "with --ds-sequence-parallel-fpdt: what attention keeps for backward (the "
+        "chunks of q, k, v, the output) and the key/value gradient sums live in (pinned) "
+        "host memory; each chunk comes to the device while it is used", action="store_true")
     dry_run: bool = option(
         False, "validate every flag, build the model on the meta device, print the per-rank "
         "memory plan and communication bytes, exit 0 without allocating the model or training",

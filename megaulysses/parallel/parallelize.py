@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from megaulysses.config import RunConfig
+from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
@@ -82,7 +83,8 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     if dims.tp > 1:  # 2
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
     apply_context_parallel(model, comm)  # 3
-    apply_ulysses(model, comm)
+    apply_ulysses(model, comm, chunks=fpdt_chunks(cfg.model, mem),
+                  offload=mem.ds_sequence_parallel_fpdt_offloading)
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
                     mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1
                     and mem.attention_head_groups == 1,  # nested checkpoints: recompute.py

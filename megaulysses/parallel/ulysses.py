@@ -93,13 +93,18 @@ def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
     return heads * b * S * d * element_size * (P - 1) // (P * P)
 
 
-def apply_ulysses(model: GPT, comm: Comm, dim: str = SP) -> GPT:
-    """Swap every block's attention core for the Ulysses wrapper (in place)."""
+def apply_ulysses(model: GPT, comm: Comm, dim: str = SP, chunks: int = 0,
+                  offload: bool = False) -> GPT:
+    """Swap every block's attention core for the Ulysses wrapper (in place); with `chunks`
+    (--ds-sequence-parallel-fpdt) for the sequence-chunked one of parallel/fpdt.py, which
+    runs the block kernel itself (`offload`: its kept chunks on the host)."""
     if comm.size(dim) == 1:
         return model
+    from megaulysses.parallel.fpdt import ChunkedUlyssesAttention
     for layer in model.layers.values():
         if layer is not None:
-            layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
+            layer.attn.core = (ChunkedUlyssesAttention(comm, chunks, offload, dim) if chunks
+                               else UlyssesAttention(layer.attn.core, comm, dim))
     return model
 
 

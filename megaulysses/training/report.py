@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.gpt import count_parameters, parameter_count
 from megaulysses.parallel.comm import BYTE_KINDS
 from megaulysses.parallel.dims import CP, DP_SP, PP
@@ -120,6 +121,10 @@ def _log_memory(run: Run) -> None:
                "no activation offload")
     heads = (f"attention by {mem.attention_head_groups} groups of heads"
              if mem.attention_head_groups > 1 else "attention heads in one group")
+    chunks = fpdt_chunks(run.cfg.model, mem)
+    if chunks:
+        heads += (f"; Ulysses attention in {chunks} sequence chunks (FPDT, block kernel"
+                  f"{', kept on the host' if mem.ds_sequence_parallel_fpdt_offloading else ''})")
     log.info("memory: recomputation %s; MLP %s; %s; %s", recompute[mem.recompute_granularity],
              f"tiled in {mem.tiled_mlp_chunks} chunks" if mem.tiled_mlp_chunks > 1
              else "not tiled", offload, heads)

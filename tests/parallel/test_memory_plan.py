@@ -44,6 +44,8 @@ GQA2 = ["--group-query-attention", "--num-query-groups", "2"]
 # backward (the block kernel's or the ring's working set is half of it), not the loss's.
 CORE_BOUND = ["--seq-length", "512", "--ffn-hidden-size", "16", "--vocab-size", "100"]
 FULL, SELECTIVE = ["--recompute-granularity", "full"], ["--recompute-activations"]
+FPDT = ["--attention-dropout", "0", "--ds-sequence-parallel-fpdt",
+        "--ds-sequence-parallel-fpdt-chunk-size"]  # + tokens
 # Qwen3-like (issue 23): per-head q/k norms, q/k/v biases, head dim 24 != 64/4, YaRN
 QWEN3 = GQA2 + ["--kv-channels", "24", "--qk-layernorm", "--add-qkv-bias", "--rope-type",
                 "yarn", "--rotary-scaling-factor", "4"]
@@ -83,7 +85,13 @@ GRIDS = {  # world -> {name: flags}
             "--zero-stage", "3", "--tiled-mlp-chunks", "2", "--bf16"] + FULL,
         "sp2, ZeRO-3, full, MLP tiled 2, bf16, fp32 residual": SP2 + [
             "--zero-stage", "3", "--tiled-mlp-chunks", "2", "--bf16",
-            "--fp32-residual-connection"] + FULL},
+            "--fp32-residual-connection"] + FULL,
+        # chunked Ulysses attention (FPDT): the fused kernel's pairs, the block kernel's
+        "sp2, FPDT 4 chunks, offloading, ZeRO-3, full, core-bound": SP2 + FPDT + [
+            "128", "--ds-sequence-parallel-fpdt-offloading", "--zero-stage", "3"] + FULL
+            + CORE_BOUND,
+        "sp2, FPDT 2 chunks, window 128, none, core-bound": SP2 + FPDT + [
+            "256", "--window-size", "128"] + CORE_BOUND},
     4: {"tp2 x sp2 + Megatron-SP, ZeRO-3, selective": TP2 + SP2 + [
             "--sequence-parallel", "--zero-stage", "3"] + SELECTIVE,
         "pp2 x sp2, ZeRO-1, full, 4 micro-batches": PP2 + SP2 + [

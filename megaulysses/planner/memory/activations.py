@@ -53,6 +53,7 @@ embedding's mask (r*T'*h on CPU, T'*h on CUDA).
 from __future__ import annotations
 
 from megaulysses.config import Config
+from megaulysses.planner.memory.chunked import fpdt_host_layers, fpdt_kept, fpdt_link
 from megaulysses.planner.memory.cores import _core_backward, _core_forward, _core_terms
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
 
@@ -87,6 +88,12 @@ class _Activations:
             self.embedding += s.embed_mask_e * s.Tr * s.h
         self.tied = (not cfg.model.untie_embeddings_and_output_weights and rank.first
                      and rank.last)
+        # --ds-sequence-parallel-fpdt-offloading: the attention's chunks in host memory
+        # (chunked.py), and the bytes they move over the host link, per micro-batch
+        group = mem.recompute_num_layers or 1
+        self.fpdt_host = (fpdt_kept(s) * fpdt_host_layers(self.layers, self.recompute, group)
+                          if s.fpdt_host else 0)
+        self.fpdt_link = fpdt_link(s) * self.layers
 
     def _full_recompute(self, mem):
         """Full recomputation, per stage: a checkpointed group keeps its input, the others

@@ -56,12 +56,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megaulysses.model.attention.block_causal import BLOCK_ROWS
+from megaulysses.planner.memory.chunked import (fpdt_backward, fpdt_forward, fpdt_pair,
+                                                 fpdt_terms)
 from megaulysses.planner.memory.shapes import F32, _Shape
 
 
 def _core_terms(s: _Shape) -> dict:
     if s.groups > 1:
         return _grouped_terms(s)
+    if s.kernel == "fpdt":
+        return fpdt_terms(s)
     qkv_out = s.T * (2 * s.hq + 2 * s.kv) * s.d
     square = F32 * s.b * s.core_heads * s.S * s.S
     if s.kernel == "block":
@@ -87,6 +91,8 @@ def _core_backward(s: _Shape) -> int:
     below)."""
     if s.groups > 1:
         return _grouped_backward(s)
+    if s.kernel == "fpdt":
+        return fpdt_backward(s, 0 if s.fused else _core_backward(fpdt_pair(s)))
     qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
     if s.kernel == "block":
         return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
@@ -148,6 +154,8 @@ def _core_forward(s: _Shape) -> int:
     and the step's partial out and lse (merged into the running ones in place)."""
     if s.groups > 1:
         return _grouped_forward(s)
+    if s.kernel == "fpdt":
+        return fpdt_forward(s, 0 if s.fused else _core_forward(fpdt_pair(s)))
     e, kv = s.e, 2 * s.e * s.K
     grouped = e * s.Q + kv  # q scaled, k, v
     if s.kernel == "masked":

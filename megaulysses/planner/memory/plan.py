@@ -71,5 +71,5 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         recomputed_layers=acts.rerun[0], host_bytes=states.host,
         host_link_bytes=states.host_link,
         # every in-flight micro-batch (model chunk) keeps its share of the stage's copies
-        offload_bytes=acts.host * rank.in_flight // rank.chunks,
-        offload_link_bytes=acts.host * rank.m)
+        offload_bytes=acts.host * rank.in_flight // rank.chunks + acts.fpdt_host,
+        offload_link_bytes=(acts.host + acts.fpdt_link) * rank.m)

@@ -7,8 +7,9 @@ d head dim, hq and hkv the q and kv heads of this tensor-parallel rank (/tp), kv
 max(hkv, sp) when Ulysses repeats kv heads, f = ffn/tp, V = padded vocabulary/tp, e = bytes
 of the compute dtype (4; 2 under bf16/fp16 autocast), r = bytes of the residual stream (e;
 4 under --fp32-residual-connection), 4 = fp32: the norms' outputs, rotary angles, softmax
-statistics and every master parameter, gradient and AdamW state are fp32. The attention core holds S/C positions of hq/sp heads: Q = T*hq*d elements of q (and
-of out), K = T*kv*d of k (and v), lse = 4*b*(hq/sp)*S/C bytes of fp32 logsumexp.
+statistics and every master parameter, gradient and AdamW state are fp32. The attention
+core holds S/C positions of hq/sp heads: Q = T*hq*d elements of q (and of out), K = T*kv*d
+of k (and v), lse = 4*b*(hq/sp)*S/C bytes of fp32 logsumexp.
 
 Micro-batches in flight on pipeline rank r: 1f1b min(m, pp - r); gpipe m;
 interleaved-1f1b torch's warm-up + 1 model chunks (a chunk keeps its share of the rank's
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaulysses.config import Config, pipeline_layout
+from megaulysses.config.rules_memory import fpdt_chunks
+from megaulysses.model.attention.block import attention_block_size
 from megaulysses.model.attention.kernels import CPU_BLOCK_MAX_SEQ
 from megaulysses.model.ops.cross_entropy import rows_per_chunk
 from megaulysses.parallel.dims import ParallelDims
@@ -114,7 +117,7 @@ class _Shape:
     rope: bool
     layernorm: bool
     hidden_dropout: bool
-    kernel: str  # block | masked | ring | sdpa | fused | sdpa-math | math
+    kernel: str  # block | masked | ring | sdpa | fused | sdpa-math | math | fpdt
     ce_rows: int  # rows of a cross-entropy chunk
     block: int = 64  # masked / ring: the kernel's block of query (and key) positions
     mask_e: int = F32  # bytes of a hidden-dropout mask's element: CUDA's fused dropout
@@ -124,11 +127,13 @@ class _Shape:
     keys_later: int = 0  # the ring's later steps: the most keys of another rank's
     keys_arriving: int = 0  # ... at a later step while the next step's keys arrive
     documents: bool = False  # the batch carries packed documents' ids
-    fused: bool = False  # ring: every step on the fused kernel (plain causal mask)
+    fused: bool = False  # ring, fpdt: every step (pair) on the fused kernel (plain causal)
     cp_rank: int = 0  # the ring rank planned
     qk_norm: bool = False  # --qk-layernorm: per-head norms of q and k
     groups: int = 1  # --attention-head-groups: the core runs by groups of heads (cores.py)
     selective: bool = False  # --recompute-activations (cores.py's head groups need it)
+    chunks: int = 0  # --ds-sequence-parallel-fpdt: sequence chunks (chunked.py); 0: off
+    fpdt_host: bool = False  # --ds-sequence-parallel-fpdt-offloading
 
     @property
     def embed_mask_e(self) -> int:
@@ -185,9 +190,15 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
     mega_sp = cfg.parallel.tp_sequence_parallel and tp > 1
     T = t.micro_batch_size * m.seq_length // (sp * cp)
     kernel = _kernel(cfg, dims, device_type)
-    fused = kernel == "ring" and _fused(cfg, device_type)
+    chunks = fpdt_chunks(m, cfg.memory) if kernel == "fpdt" else 0
+    fused = kernel in ("ring", "fpdt") and _fused(cfg, device_type)
     blocks = (_blocks(m, cp, cp_rank) if kernel in ("masked", "ring") and not fused
               else (64, 0, 0, 0))
+    if chunks:  # parallel/fpdt.py: the block kernel's block divides a local chunk
+        from megaulysses.model.attention import mask_from_config
+        layout = mask_from_config(m).layout
+        blocks = (attention_block_size(T // chunks, layout_block=layout.block if layout
+                                       else None), _blocks(m, 1, 0)[1], 0, 0)
     hkv = m.num_kv_heads // tp
     V = m.padded_vocab_size // tp
     e = 2 if t.bf16 or t.fp16 else F32
@@ -201,6 +212,8 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   mask_e=1 if device_type == "cuda" else e,
                   qk_norm=m.qk_layernorm, groups=cfg.memory.attention_head_groups,
                   selective=cfg.memory.recompute_granularity == "selective",
+                  chunks=chunks, fpdt_host=bool(chunks) and
+                  cfg.memory.ds_sequence_parallel_fpdt_offloading,
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
                   documents=cfg.data.reset_attention_mask, fused=fused, cp_rank=cp_rank,
@@ -214,9 +227,13 @@ def _describe(s: _Shape) -> str:
              "sdpa": "SDPA / flash (keeps the logsumexp)",
              "fused": "block backend, plain causal: fused kernel (keeps the logsumexp)",
              "sdpa-math": "SDPA math path (dropout)", "math": "math (explicit scores)"}
-    words = names[s.kernel]
+    if s.kernel == "fpdt":
+        kernel = "fused kernel" if s.fused else f"block kernel, blocks of {s.block}"
+        return (f"Ulysses in {s.chunks} sequence chunks (FPDT), {kernel}"
+                f"{', kept on the host' if s.fpdt_host else ''}")
     if s.fused:
         return f"ring over cp {s.cp}, fused kernel (with lse, one call a step)"
+    words = names[s.kernel]
     if s.kernel in ("masked", "ring"):
         words += (f", blocks of {s.block}, <= {max(s.keys, s.keys_later)} keys a query "
                   "block")
@@ -242,6 +259,8 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
     m, half = cfg.model, cfg.train.bf16 or cfg.train.fp16
     if dims.cp > 1:
         return "ring"  # parallel/ring.py, whatever the backend (and inside Ulysses)
+    if dims.sp > 1 and cfg.memory.ds_sequence_parallel_fpdt:
+        return "fpdt"  # parallel/fpdt.py: chunked, on the block kernel (planner/chunked.py)
     if m.attention_backend == "math":
         return "math"
     if m.attention_backend == "block" and _fused(cfg, device_type):

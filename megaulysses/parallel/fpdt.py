@@ -1,0 +1,314 @@
+"""Sequence-chunked Ulysses attention (the idea of FPDT / Ulysses-Offload, arXiv 2408.16978):
+under Ulysses the whole-sequence q, k, v, out and their gradients of the rank's heads never
+all exist on the device at once; they live in C chunks, on the host with `offload`.
+
+Layout. Rank r of the P ranks of the `dim` group holds global positions [r n, (r+1) n),
+n = S/P, cut into C chunks of L = n/C tokens. Local chunk c `[b, L, h, d]` goes through
+Ulysses' all-to-all (heads scattered, sequence gathered) to `[b, P*L, h/P, d]`, whose rows
+are the global positions {r n + c L + t : r = 0..P-1 (rank-major), t = 0..L-1}: P runs of
+L consecutive positions. The block kernel (model/attention/block.py) is given these
+positions, so every mask (causal, window, documents, sparse layout) is exact and the
+blocks nothing attends are skipped; the kernel block divides L. Under the causal mask
+query chunk i sees keys of every key chunk j (those of lower ranks), so each query chunk
+runs against all C key chunks, merged by log-sum-exp into an fp32 running out.
+A plain causal (or full) mask runs on the fused kernel instead (model/attention/fused.py,
+as the ring's fused steps): P calls a pair, the P diagonal run pairs (query run r, key
+run r: whole if j < i, causal if j == i) batched in one, then per query run r > 0 one
+full rectangle against the key runs before it; from Python integers, no host sync (and
+so it also runs on fake tensors, benchmarks/fake_rank.py).
+
+Forward: every k and v chunk is exchanged first and kept; then per query chunk i: q_i is
+exchanged, attended against every key chunk, out_i exchanged back into its slice of the
+output. Kept for backward: each k_j, v_j, q_i, out_i (in the inputs' dtypes) and lse_i
+(fp32): as many bytes as the whole-sequence q, k, v, out and lse of the rank's heads,
+on the host with `offload` (only the chunks in use come to the device), else on the device
+(then what chunking saves is the kernel's working set, not what is kept).
+Backward: fp32 accumulators dk_j, dv_j per key chunk (host with `offload`); per query
+chunk i: dout_i is exchanged, q_i, out_i, lse_i fetched, every k_j, v_j fetched for
+`partial_backward`, whose shares add into dq_i (fp32, on the device) and dk_j, dv_j;
+dq_i goes back into its slice of dq; last, every dk_j, dv_j goes back.
+
+Bytes sent per rank per layer: every q, k, v and out element crosses once forward, and
+dout, dq, dk, dv once backward (in the inputs' dtype), in C pieces each: exactly plain
+Ulysses' bytes (parallel/ulysses.py, `ulysses_bytes_per_layer`, with hkv % P == 0).
+Host traffic with `offload`: each kept chunk goes out once; forward and backward each
+bring every k_j, v_j back C times, backward q_i, out_i, lse_i once, and each fp32
+accumulator C times each way.
+
+Limits: no attention dropout; no ring (contiguous slices, no zigzag); hq % P == 0 and
+hkv % P == 0 (no kv repetition); n % C == 0. The host copies are synchronous (pinned
+memory on CUDA): simple, not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megaulysses.model.attention import AttentionMask
+from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
+                                               partial_forward, plain_fused_kernel)
+from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.dims import SP
+from megaulysses.parallel.host_memory import mark_host
+
+
+class ChunkedUlyssesAttention:
+    """A drop-in attention core `(q, k, v, dropout_p, mask) -> out` on sequence shards
+    (q `[b, S/P, hq, d]`, k and v `[b, S/P, hkv, d]`), run in `chunks` sequence chunks;
+    `offload` keeps what backward needs on the host. `take([q, k, v], ...)` empties the
+    list, as UlyssesAttention.take does."""
+
+    takes_qkv = True  # SelfAttention passes q, k, v in a list it keeps no reference to
+
+    def __init__(self, comm: Comm, chunks: int, offload: bool, dim: str = SP):
+        if chunks < 1:
+            raise ValueError(f"chunked Ulysses attention needs chunks >= 1, got {chunks}")
+        self.comm, self.chunks, self.offload, self.dim = comm, chunks, offload, dim
+        self.P = comm.size(dim)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 dropout_p: float = 0.0, mask: Optional[AttentionMask] = None) -> torch.Tensor:
+        return self.take([q, k, v], dropout_p, mask)
+
+    def take(self, qkv: list, dropout_p: float = 0.0,
+             mask: Optional[AttentionMask] = None) -> torch.Tensor:
+        """`qkv` = [q, k, v], emptied: the caller's last references. -> `[b, S/P, hq, d]`."""
+        if dropout_p:
+            raise ValueError("chunked Ulysses attention has no attention dropout")
+        q, k, v = qkv.pop(0), qkv.pop(0), qkv.pop(0)
+        self._check(q, k)
+        return _Chunked.apply(q, k, v, mask or AttentionMask(), self)
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        hq, hkv, n, P, C = q.shape[2], k.shape[2], q.shape[1], self.P, self.chunks
+        if hq % P or hkv % P:
+            raise ValueError(f"chunked Ulysses attention needs query heads ({hq}) and kv "
+                             f"heads ({hkv}) divisible by the sequence parallel size ({P})")
+        if n % C:
+            raise ValueError(f"chunked Ulysses attention: {n} local tokens do not split "
+                             f"into {C} chunks")
+
+
+class _Plan:
+    """One call's chunk geometry, exchanges and host copies."""
+
+    def __init__(self, core: ChunkedUlyssesAttention, q: torch.Tensor, k: torch.Tensor,
+                 mask: AttentionMask):
+        self.comm, self.dim, self.P, self.C = core.comm, core.dim, core.P, core.chunks
+        self.offload, self.device = core.offload, q.device
+        self.n = q.shape[1]  # S/P local tokens
+        self.L = self.n // self.C
+        layout_block = mask.layout.block if mask.layout is not None else None
+        self.block = attention_block_size(self.L, layout_block=layout_block)
+        self.kernel = plain_fused_kernel(q, k, k, mask)  # None: the block kernel
+        self.causal, self.scale = mask.causal, q.shape[-1] ** -0.5
+        starts = torch.arange(self.P, device=q.device).view(-1, 1) * self.n  # [P, 1]
+        t = torch.arange(self.L, device=q.device).view(1, -1)  # [1, L]
+        self.pos = [(starts + c * self.L + t).flatten() for c in range(self.C)]  # [P*L] int64
+
+    def rows(self, c: int) -> slice:
+        """Chunk c's rows of a local `[b, S/P, ...]` tensor."""
+        return slice(c * self.L, (c + 1) * self.L)
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:  # [b, L, h, d] -> [b, P*L, h/P, d]
+        return self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:  # [b, P*L, h/P, d] -> [b, L, h, d]
+        return self.comm.all_to_all(t, self.dim, scatter_dim=1, gather_dim=2)
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """What backward needs: `t` itself, or with offload its host copy (pinned beside a
+        GPU; on a CPU a real copy, marked as host memory). Synchronous, for simplicity."""
+        if not self.offload:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t)
+        return mark_host(host)
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """A kept tensor on the device (with offload a fresh, unmarked copy)."""
+        if not self.offload:
+            return t
+        return t.clone() if self.device.type == "cpu" else t.to(self.device)
+
+    def add(self, kept: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+        """kept += part (fp32 accumulators, on the host with offload: fetched, added on the
+        device, written back); the first part starts it."""
+        if kept is None:
+            return self.keep(part)
+        if not self.offload:
+            return kept.add_(part)
+        kept.copy_(self.fetch(kept).add_(part))
+        return kept
+
+
+def _attend(plan: _Plan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
+            i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query chunk i `[b, P*L, hq/P, d]` against every key chunk: (out_i in q's dtype,
+    lse_i `[b, hq/P, P*L]` fp32)."""
+    out = lse = None
+    for j, (k_j, v_j) in enumerate(kv):
+        k_j, v_j = plan.fetch(k_j), plan.fetch(v_j)
+        if plan.kernel is None:
+            o, l = partial_forward(q_i, k_j, v_j, mask, plan.pos[i], plan.pos[j],
+                                   plan.block)  # [b, P*L, hq/P, d] fp32, [b, hq/P, P*L]
+        else:
+            o, l = _fused_forward(plan, q_i, k_j, v_j, i, j)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)  # in place, fp32
+        del o, l, k_j, v_j
+    return out.to(q_i.dtype), lse
+
+
+def _fused_pieces(plan: _Plan, i: int, j: int) -> list:
+    """(query rows, key rows) of pair (i, j)'s full rectangles beside its diagonal
+    (`_diagonal`): run r of the query chunk sees key runs r' < r whole."""
+    L = plan.L
+    return [(slice(r * L, (r + 1) * L), slice(0, r * L)) for r in range(1, plan.P)]
+
+
+def _diagonal(plan: _Plan, i: int, j: int) -> Optional[bool]:
+    """Query run r against key run r, for every r at once (the P runs as a batch): whole
+    if j < i, causal if j == i (returns whether causal), None if j > i (nothing)."""
+    return None if j > i else j == i
+
+
+def _runs(t: torch.Tensor, P: int) -> torch.Tensor:  # [b, P*L, h, d] -> [b*P, L, h, d]
+    b, n, h, d = t.shape
+    return t.reshape(b * P, n // P, h, d)
+
+
+def _lse_runs(lse: torch.Tensor, P: int) -> torch.Tensor:  # [b, h, P*L] -> [b*P, h, L]
+    b, h, n = lse.shape
+    return lse.view(b, h, P, n // P).transpose(1, 2).reshape(b * P, h, n // P)
+
+
+def _lse_chunk(lse: torch.Tensor, b: int) -> torch.Tensor:  # [b*P, h, L] -> [b, h, P*L]
+    bP, h, L = lse.shape
+    return lse.view(b, bP // b, h, L).transpose(1, 2).reshape(b, h, bP // b * L)
+
+
+def _fused_forward(plan: _Plan, q_i, k_j, v_j, i: int, j: int):
+    """Pair (i, j) on the fused kernel: (out fp32 `[b, P*L, hq/P, d]`, lse `[b, hq/P, P*L]`),
+    rows no key reaches out 0, lse -inf. P calls: the diagonal runs batched, then the
+    rectangle of each run r > 0."""
+    b, n, h, d = q_i.shape
+    k = plan.kernel
+    if not plan.causal:  # a full mask: the whole pair, one call
+        o, l = k.forward(q_i, k_j, v_j, False, plan.scale)
+        return o.float(), l
+    causal = _diagonal(plan, i, j)
+    if causal is None:
+        out = torch.zeros(q_i.shape, dtype=torch.float32, device=q_i.device)
+        lse = torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q_i.device)
+    else:
+        o, l = k.forward(_runs(q_i, plan.P), _runs(k_j, plan.P), _runs(v_j, plan.P), causal,
+                         plan.scale)  # [b*P, L, hq/P, d], [b*P, hq/P, L]
+        out, lse = o.float().view(q_i.shape), _lse_chunk(l, b)
+        del o, l
+    for rows, keys in _fused_pieces(plan, i, j):
+        o, l = k.forward(q_i[:, rows], k_j[:, keys], v_j[:, keys], False,
+                         plan.scale)  # [b, L, hq/P, d] q's dtype, [b, hq/P, L]
+        lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o.float(), l)[1]
+        del o, l
+    return out, lse
+
+
+def _fused_backward(plan: _Plan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: int):
+    """Pair (i, j)'s (dq, dk, dv) on the fused kernel, fp32, whole chunks."""
+    k, P = plan.kernel, plan.P
+    if not plan.causal:
+        return tuple(g.float() for g in k.backward(do_i, q_i, k_j, v_j, out_i, lse_i, False,
+                                                   plan.scale))
+    dq = torch.zeros(q_i.shape, dtype=torch.float32, device=q_i.device)
+    dk = torch.zeros(k_j.shape, dtype=torch.float32, device=k_j.device)
+    dv = torch.zeros(v_j.shape, dtype=torch.float32, device=v_j.device)
+    causal = _diagonal(plan, i, j)
+    if causal is not None:
+        g = k.backward(_runs(do_i, P), _runs(q_i, P), _runs(k_j, P), _runs(v_j, P),
+                       _runs(out_i, P), _lse_runs(lse_i, P), causal, plan.scale)
+        for acc, part in zip((dq, dk, dv), g):
+            acc.add_(part.view(acc.shape))
+        del g
+    for rows, keys in _fused_pieces(plan, i, j):
+        g = k.backward(do_i[:, rows], q_i[:, rows], k_j[:, keys], v_j[:, keys],
+                       out_i[:, rows], lse_i[:, :, rows], False, plan.scale)
+        dq[:, rows].add_(g[0])
+        dk[:, keys].add_(g[1])
+        dv[:, keys].add_(g[2])
+        del g
+    return dq, dk, dv
+
+
+class _Chunked(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention):
+        plan = _Plan(core, q, k, mask)
+        kv = [tuple(plan.keep(plan.to_heads(t[:, plan.rows(j)])) for t in (k, v))
+              for j in range(plan.C)]  # C x (k_j, v_j) [b, P*L, hkv/P, d]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, S/P, hq, d]
+        saved = []
+        for i in range(plan.C):
+            q_i = plan.to_heads(q[:, plan.rows(i)])  # [b, P*L, hq/P, d]
+            out_i, lse_i = _attend(plan, q_i, kv, mask, i)
+            out[:, plan.rows(i)] = plan.to_sequence(out_i)  # [b, L, hq, d]
+            saved += [plan.keep(t) for t in (q_i, out_i, lse_i)]
+            del q_i, out_i, lse_i
+        # Through save_for_backward, not ctx attributes: under recomputation the
+        # checkpoint's saved-tensor hooks then drop them after forward and recompute them
+        # for backward, as for any op.
+        ctx.save_for_backward(*(t for pair in kv for t in pair), *saved)
+        ctx.plan, ctx.mask = plan, mask
+        ctx.dtypes, ctx.kv_shape = (k.dtype, v.dtype), k.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # dout [b, S/P, hq, d]
+        plan, mask, kept = ctx.plan, ctx.mask, ctx.saved_tensors
+        C = plan.C
+        kv = [kept[2 * j:2 * j + 2] for j in range(C)]  # (k_j, v_j)
+        saved = [kept[2 * C + 3 * i:2 * C + 3 * i + 3] for i in range(C)]  # (q_i, out_i, lse_i)
+        del kept
+        dq = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # [b, S/P, hq, d]
+        acc: list = [[None, None] for _ in range(plan.C)]  # dk_j, dv_j fp32 [b, P*L, hkv/P, d]
+        for i in range(plan.C):
+            q_i, out_i, lse_i = (plan.fetch(t) for t in saved[i])
+            saved[i] = None
+            dq_i = _backward_chunk(plan, q_i, out_i, lse_i, dout, kv, acc, mask, i)
+            dq[:, plan.rows(i)] = plan.to_sequence(dq_i.to(dout.dtype))  # [b, L, hq, d]
+            del q_i, out_i, lse_i, dq_i
+        del kv
+        grads = []
+        for which, dtype in enumerate(ctx.dtypes):
+            g = torch.empty(ctx.kv_shape, dtype=dtype, device=dout.device)  # [b, S/P, hkv, d]
+            for j in range(plan.C):
+                part = plan.fetch(acc[j][which]).to(dtype)  # [b, P*L, hkv/P, d]
+                acc[j][which] = None
+                g[:, plan.rows(j)] = plan.to_sequence(part)
+                del part
+            grads.append(g)
+        return dq, grads[0], grads[1], None, None
+
+
+def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, dout, kv: list, acc: list,
+                    mask: AttentionMask, i: int) -> torch.Tensor:
+    """Query chunk i's share of backward: its dq_i (fp32 `[b, P*L, hq/P, d]`); every key
+    chunk's shares added into `acc`."""
+    do_i = plan.to_heads(dout[:, plan.rows(i)]).contiguous()  # [b, P*L, hq/P, d]
+    delta = None if plan.kernel else (do_i.float() * out_i).sum(-1).transpose(1, 2)  # fp32
+    dq_i = None
+    for j, (k_j, v_j) in enumerate(kv):
+        k_j, v_j = plan.fetch(k_j), plan.fetch(v_j)
+        if plan.kernel is None:
+            dq_ij, dk, dv = partial_backward(q_i, k_j, v_j, out_i, lse_i, do_i, delta, mask,
+                                             plan.pos[i], plan.pos[j], plan.block)  # fp32
+        else:
+            dq_ij, dk, dv = _fused_backward(plan, q_i, k_j, v_j, out_i, lse_i, do_i, i, j)
+        del k_j, v_j
+        dq_i = dq_ij if dq_i is None else dq_i.add_(dq_ij)
+        acc[j][0] = plan.add(acc[j][0], dk)
+        acc[j][1] = plan.add(acc[j][1], dv)
+        del dq_ij, dk, dv
+    return dq_i
