@@ -44,9 +44,6 @@ def check_fpdt(dims: ParallelDims, m: ModelConfig, mem: MemoryConfig) -> None:
             f"(--attention-dropout 0, got {m.attention_dropout})")
     require(mem.attention_head_groups == 1, flag, "and --attention-head-groups are two "
             "ways of cutting attention: use one")
-    kv = m.num_kv_heads // dims.tp
-    require(kv % dims.sp == 0, flag, f"needs the kv heads of a tensor rank ({kv}) divisible "
-            f"by --ds-sequence-parallel-size {dims.sp} (no kv head repeats)")
     chunk = min(mem.ds_sequence_parallel_fpdt_chunk_size, m.seq_length)
     require(m.seq_length % chunk == 0 and chunk % dims.sp == 0,
             "--ds-sequence-parallel-fpdt-chunk-size", f"{chunk} must divide --seq-length "

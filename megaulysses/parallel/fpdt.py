@@ -30,13 +30,17 @@ dq_i goes back into its slice of dq; last, every dk_j, dv_j goes back.
 
 Bytes sent per rank per layer: every q, k, v and out element crosses once forward, and
 dout, dq, dk, dv once backward (in the inputs' dtype), in C pieces each: exactly plain
-Ulysses' bytes (parallel/ulysses.py, `ulysses_bytes_per_layer`, with hkv % P == 0).
+Ulysses' bytes (parallel/ulysses.py, `ulysses_bytes_per_layer`). GQA with fewer kv heads
+than ranks (P a multiple of hkv): each kv head is repeated P/hkv times before the
+exchange, as UlyssesAttention does, so each rank gets the one its q heads read; backward
+sums the repeats' gradients after the exchange back (in the inputs' dtype, as autograd
+sums plain Ulysses' repeats).
 Host traffic with `offload`: each kept chunk goes out once; forward and backward each
 bring every k_j, v_j back C times, backward q_i, out_i, lse_i once, and each fp32
 accumulator C times each way.
 
-Limits: no attention dropout; no ring (contiguous slices, no zigzag); hq % P == 0 and
-hkv % P == 0 (no kv repetition); n % C == 0. The host copies are synchronous (pinned
+Limits: no attention dropout; no ring (contiguous slices, no zigzag); hq % P == 0, and
+hkv and P divide one another; n % C == 0. The host copies are synchronous (pinned
 memory on CUDA): simple, not overlapped with compute.
 """
 
@@ -83,9 +87,10 @@ class ChunkedUlyssesAttention:
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         hq, hkv, n, P, C = q.shape[2], k.shape[2], q.shape[1], self.P, self.chunks
-        if hq % P or hkv % P:
-            raise ValueError(f"chunked Ulysses attention needs query heads ({hq}) and kv "
-                             f"heads ({hkv}) divisible by the sequence parallel size ({P})")
+        if hq % P or (hkv % P and P % hkv):
+            raise ValueError(f"chunked Ulysses attention needs query heads ({hq}) divisible "
+                             f"by the sequence parallel size ({P}), and kv heads ({hkv}) and "
+                             "it dividing one another")
         if n % C:
             raise ValueError(f"chunked Ulysses attention: {n} local tokens do not split "
                              f"into {C} chunks")
@@ -241,12 +246,26 @@ def _fused_backward(plan: _Plan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: i
     return dq, dk, dv
 
 
+def _repeat(t: torch.Tensor, P: int) -> torch.Tensor:
+    """k or v `[b, L, hkv, d]`, each head repeated P/hkv times when P is a multiple of hkv
+    (`[b, L, P, d]`), else itself."""
+    hkv = t.shape[2]
+    return t.repeat_interleave(P // hkv, dim=2) if hkv % P else t
+
+
+def _sum_repeats(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """The gradient `[b, L, max(hkv, P), d]` of `_repeat`'s output -> `[b, L, hkv, d]`."""
+    b, L, h, d = t.shape
+    return t if h == hkv else t.view(b, L, hkv, h // hkv, d).sum(3)
+
+
 class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention):
         plan = _Plan(core, q, k, mask)
-        kv = [tuple(plan.keep(plan.to_heads(t[:, plan.rows(j)])) for t in (k, v))
+        kv = [tuple(plan.keep(plan.to_heads(_repeat(t[:, plan.rows(j)], plan.P)))
+                    for t in (k, v))
               for j in range(plan.C)]  # C x (k_j, v_j) [b, P*L, hkv/P, d]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, S/P, hq, d]
         saved = []
@@ -284,9 +303,9 @@ class _Chunked(torch.autograd.Function):
         for which, dtype in enumerate(ctx.dtypes):
             g = torch.empty(ctx.kv_shape, dtype=dtype, device=dout.device)  # [b, S/P, hkv, d]
             for j in range(plan.C):
-                part = plan.fetch(acc[j][which]).to(dtype)  # [b, P*L, hkv/P, d]
+                part = plan.fetch(acc[j][which]).to(dtype)  # [b, P*L, max(hkv, P)/P, d]
                 acc[j][which] = None
-                g[:, plan.rows(j)] = plan.to_sequence(part)
+                g[:, plan.rows(j)] = _sum_repeats(plan.to_sequence(part), g.shape[2])
                 del part
             grads.append(g)
         return dq, grads[0], grads[1], None, None

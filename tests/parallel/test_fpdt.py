@@ -1,6 +1,6 @@
 """Chunked Ulysses attention (parallel/fpdt.py) on 2 and 4 gloo ranks == one process's math
 attention on the whole tensors, forward and backward: causal MHA at C = 2 and 4, GQA
-(hkv = P), bf16 (the fused kernel's path), a sliding window, packed documents, a sparse
+(hkv = P, and hkv = P/2: repeated), bf16 (the fused kernel's path), a sliding window, packed documents, a sparse
 layout (the block kernel's). Every case runs with
 offload off and on, which must agree bit for bit; the all-to-all bytes are plain Ulysses';
 with offload, everything forward keeps for backward is host memory (the live-bytes
@@ -36,6 +36,7 @@ def cases(world):
     return [("causal", world, world, 2, f32),  # one head per rank
             ("causal", 2 * world, 2 * world, 4, f32),
             ("causal", 2 * world, world, 2, f32),  # GQA: one kv head per rank
+            ("causal", world, world // 2, 2, f32),  # GQA: a kv head for two ranks (repeated)
             ("window", 2 * world, world, 4, f32),
             ("documents", world, world, 2, f32),
             ("bigbird", world, world, 2, f32),
@@ -94,7 +95,8 @@ def chunked_vs_reference(rank, world):
         (plain, plain_kept, plain_peak), (off, off_kept, off_peak) = runs[False], runs[True]
         e = torch.finfo(dtype).bits // 8
         n = S // world
-        kept_bytes = B * n * (2 * hq + 2 * hkv) * D * e + B * hq * n * 4  # q k v out, lse
+        kv_held = max(hkv, world)  # kv heads repeated up to P
+        kept_bytes = B * n * (2 * hq + 2 * kv_held) * D * e + B * hq * n * 4  # q k v out, lse
         results.append(dict(
             case=(name, hq, hkv, chunks, str(dtype)),
             err=max(_rel(a, b) for a, b in zip(off, refs)),
@@ -110,9 +112,9 @@ def chunked_vs_reference(rank, world):
 
 
 def _refusal(comm, world) -> str:
-    """hkv = P/2 heads (one kv head for two ranks): refused."""
+    """hkv = 3 heads on P = 2 or 4 (neither divides the other): refused."""
     from megaulysses.parallel.fpdt import ChunkedUlyssesAttention
-    q, kv = torch.randn(1, 8, world, 4), torch.randn(1, 8, world // 2, 4)
+    q, kv = torch.randn(1, 8, world, 4), torch.randn(1, 8, 3, 4)
     try:
         ChunkedUlyssesAttention(comm, 2, False)(q, kv, kv)
     except ValueError as e:
@@ -154,10 +156,10 @@ def test_offload_keeps_host_bytes_only(world_results):
             assert r["plain_peak"] - r["off_peak"] > PEAK_DROP * n, r
 
 
-def test_refuses_kv_heads_fewer_than_ranks(world_results):
+def test_refuses_kv_heads_that_do_not_divide_the_ranks(world_results):
     _, per_rank = world_results
     for results in per_rank:
-        assert "divisible by the sequence parallel size" in results[-1], results[-1]
+        assert "dividing one another" in results[-1], results[-1]
 
 
 def test_refuses_what_it_cannot_run():

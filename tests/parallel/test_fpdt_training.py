@@ -41,7 +41,8 @@ GRIDS = {  # world -> {name: flags}
         "sp2 bf16, offload": SP2 + FPDT + OFF + ["--bf16"]},
     4: {"sp4 MHA (one head a rank), ZeRO-3, full recompute, offload":
         MHA + SP4 + FPDT + OFF + FULL + ["--zero-stage", "3"],
-        "pp2 x sp2, offload": SP2 + FPDT + OFF + ["--pipeline-model-parallel-size", "2"]},
+        "pp2 x sp2, offload": SP2 + FPDT + OFF + ["--pipeline-model-parallel-size", "2"],
+        "sp4 GQA (a kv head repeated for two ranks), offload": SP4 + FPDT + OFF},
 }
 
 
@@ -119,7 +120,6 @@ BAD = [  # (flags, the flag the line names, a piece of its rule)
      "no attention dropout"),
     (SP2 + FPDT + ["--attention-head-groups", "2", "--num-attention-heads", "8"],
      "--ds-sequence-parallel-fpdt", "--attention-head-groups"),
-    (SP4 + FPDT, "--ds-sequence-parallel-fpdt", "kv heads"),  # 2 kv heads on sp4
     (SP2 + ["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "12"],
      "--ds-sequence-parallel-fpdt-chunk-size", "must divide --seq-length"),
 ]
