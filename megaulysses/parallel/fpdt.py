@@ -166,8 +166,8 @@ def _attend(plan: _Plan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
     return out.to(q_i.dtype), lse
 
 
-def _fused_pieces(plan: _Plan, i: int, j: int) -> list:
-    """(query rows, key rows) of pair (i, j)'s full rectangles beside its diagonal
+def _fused_pieces(plan: _Plan) -> list:
+    """(query rows, key rows) of every pair's full rectangles beside its diagonal
     (`_diagonal`): run r of the query chunk sees key runs r' < r whole."""
     L = plan.L
     return [(slice(r * L, (r + 1) * L), slice(0, r * L)) for r in range(1, plan.P)]
@@ -212,7 +212,7 @@ def _fused_forward(plan: _Plan, q_i, k_j, v_j, i: int, j: int):
                          plan.scale)  # [b*P, L, hq/P, d], [b*P, hq/P, L]
         out, lse = o.float().view(q_i.shape), _lse_chunk(l, b)
         del o, l
-    for rows, keys in _fused_pieces(plan, i, j):
+    for rows, keys in _fused_pieces(plan):
         o, l = k.forward(q_i[:, rows], k_j[:, keys], v_j[:, keys], False,
                          plan.scale)  # [b, L, hq/P, d] q's dtype, [b, hq/P, L]
         lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o.float(), l)[1]
@@ -236,7 +236,7 @@ def _fused_backward(plan: _Plan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: i
         for acc, part in zip((dq, dk, dv), g):
             acc.add_(part.view(acc.shape))
         del g
-    for rows, keys in _fused_pieces(plan, i, j):
+    for rows, keys in _fused_pieces(plan):
         g = k.backward(do_i[:, rows], q_i[:, rows], k_j[:, keys], v_j[:, keys],
                        out_i[:, rows], lse_i[:, :, rows], False, plan.scale)
         dq[:, rows].add_(g[0])
