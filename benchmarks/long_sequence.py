@@ -1,7 +1,7 @@
 """The paper's headline at a fixed memory budget: the longest sequence each setup trains.
 
-    python benchmarks/long_sequence.py                       # ~7 min on 2 cores
-    python benchmarks/long_sequence.py --throughput-seq 1024 8192    # ~15 min: the docs' run
+    python benchmarks/long_sequence.py                       # ~20 min on 2 cores
+    python benchmarks/long_sequence.py --throughput-seq 1024 8192    # ~27 min: the docs' run
     python benchmarks/long_sequence.py --budget-gib 0.5 --setups b,c --throughput-seq 0
 
 One GPT (4 layers, hidden 512, 8 heads, SwiGLU ffn 1408, RoPE, RMSNorm, untied embeddings,
