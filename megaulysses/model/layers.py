@@ -43,11 +43,11 @@ def compute_weight(w: torch.Tensor) -> torch.Tensor:
 
 def shared_input(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """For an fp32 `x` (a norm's output) that several linears read under autocast: a
-    function giving each its own handle on ONE rounded copy. Autocast would round x once per linear, and each linear
-    would keep its own copy for backward (three [T, h] copies for q, k and v); here they
-    share one. Each handle is a separate autograd node whose gradient goes back to x in
-    fp32, so the linears' input gradients still sum in fp32, as with autocast's copies:
-    the same values, bit for bit."""
+    function giving each its own handle on ONE rounded copy. Autocast would round x once per
+    linear, and each linear would keep its own copy for backward (three [T, h] copies for q,
+    k and v); here they share one. Each handle is a separate autograd node whose gradient
+    goes back to x in fp32, so the linears' input gradients still sum in fp32, as with
+    autocast's copies: the same values, bit for bit."""
     device = x.device.type
     if not torch.is_autocast_enabled(device) or x.dtype != torch.float32:
         return lambda: x

@@ -97,7 +97,7 @@ def apply_ulysses(model: GPT, comm: Comm, dim: str = SP, chunks: int = 0,
                   offload: bool = False) -> GPT:
     """Swap every block's attention core for the Ulysses wrapper (in place); with `chunks`
     (--ds-sequence-parallel-fpdt) for the sequence-chunked one of parallel/fpdt.py, which
-    runs the block kernel itself (`offload`: its kept chunks on the host)."""
+    picks its own kernels (`offload`: its kept chunks on the host)."""
     if comm.size(dim) == 1:
         return model
     from megaulysses.parallel.fpdt import ChunkedUlyssesAttention

@@ -68,7 +68,8 @@ def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecision
     one mixed-precision policy of every stage (`layers.compute_weight`: every parameter used
     in the compute dtype), so stages 2/3 compute what 0/1 compute. Block inputs are not
     cast: the residual stream keeps the dtype the embedding gave it (16-bit, or fp32 under
-    --fp32-residual-connection) and autocast picks each op's dtype. Gradients accumulated over micro-batches stay in `reduce` (FSDP upcasts them)."""
+    --fp32-residual-connection) and autocast picks each op's dtype. Gradients accumulated
+    over micro-batches stay in `reduce` (FSDP upcasts them)."""
     return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                 reduce_dtype=reduce, cast_forward_inputs=False)
 

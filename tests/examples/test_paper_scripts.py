@@ -68,6 +68,7 @@ def test_paper_script_dry_runs_and_fits(script):
     marked = expected_oom(script)
     assert marked <= set(planned), f"marked but not run: {marked - set(planned)}"
     too_big = {n: p for n, p in planned.items() if p > GPU_MIB and n not in marked}
-    assert not too_big, f"planned over the usable memory of an A100-80GB, not marked expected OOM: {too_big}"
+    assert not too_big, ("planned over the usable memory of an A100-80GB, not marked "
+                         f"expected OOM: {too_big}")
     stale = {n: planned[n] for n in marked if planned[n] <= GPU_MIB}
     assert not stale, f"marked expected OOM but planned to fit: {stale}"

@@ -1,10 +1,10 @@
 """Chunked Ulysses attention (parallel/fpdt.py) on 2 and 4 gloo ranks == one process's math
-attention on the whole tensors, forward and backward: causal MHA at C = 2 and 4, GQA
-(hkv = P, and hkv = P/2: repeated), bf16 (the fused kernel's path), a sliding window, packed documents, a sparse
-layout (the block kernel's). Every case runs with
-offload off and on, which must agree bit for bit; the all-to-all bytes are plain Ulysses';
-with offload, everything forward keeps for backward is host memory (the live-bytes
-tracker's host count, to the byte) and the device peak falls; refusals."""
+attention on the whole tensors, forward and backward: causal MHA at C = 2 and 4, GQA (hkv =
+P, and hkv = P/2: repeated), bf16 (the fused kernel's path), a sliding window, packed
+documents, a sparse layout (the block kernel's). Every case runs with offload off and on,
+which must agree bit for bit; the all-to-all bytes are plain Ulysses'; with offload,
+everything forward keeps for backward is host memory (the live-bytes tracker's host count,
+to the byte) and the device peak falls; refusals."""
 
 import pytest
 import torch
