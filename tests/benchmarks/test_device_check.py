@@ -251,3 +251,42 @@ def test_flash_snippet_skips_without_flash_attn():
     r = subprocess.run([sys.executable, "-"], input=_snippet("flash"), cwd=REPO, text=True,
                        capture_output=True, timeout=60, env=_env(DC_DEVICE="cpu"))
     assert r.returncode == 0 and r.stdout.startswith("flash: skipped"), r.stdout + r.stderr
+
+
+def _fpdt_on(device: str, dtype: torch.dtype, offload: bool) -> tuple[list, list]:
+    """Chunked Ulysses attention (parallel/fpdt.py) on one device, no process group (sp 1:
+    its exchanges are the identity; its chunk pairs, fused kernel and host copies run as
+    on any rank): ([out, dq, dk, dv], what forward kept for backward)."""
+    from megaulysses.parallel.comm import Comm
+    from megaulysses.parallel.fpdt import ChunkedUlyssesAttention
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 256, h, 64, device=device, generator=g).to(dtype)
+                     for h in (8, 2, 2, 8))
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ChunkedUlyssesAttention(Comm(), 4, offload)(*x, 0.0, AttentionMask())
+    kept = list(out.grad_fn.saved_tensors)
+    return [out.detach()] + list(torch.autograd.grad(out, x, dout)), kept
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fpdt_offload_on_cuda_keeps_pinned_host_chunks_and_changes_nothing(dtype, ieee_fp32):
+    """The CUDA path of --ds-sequence-parallel-fpdt-offloading (pinned host copies, fetched
+    back to the GPU), which CPU tests cannot reach: the same numbers as without offload,
+    bit for bit, everything kept in pinned host memory, and math attention's results."""
+    plain, _ = _fpdt_on("cuda", dtype, False)
+    off, kept = _fpdt_on("cuda", dtype, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off))
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in kept)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ref_in = [torch.randn(2, 256, h, 64, device="cuda", generator=g).to(dtype).float()
+              for h in (8, 2, 2, 8)]
+    x = [t.clone().requires_grad_() for t in ref_in[:3]]
+    want_out = math_attention(*x, 0.0, AttentionMask())
+    want = [want_out] + list(torch.autograd.grad(want_out, x, ref_in[3]))
+    # the other CUDA kernel checks' tolerances (not measured on a GPU: none was lent yet)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, w in zip(off, want):
+        err = float((got.float() - w).abs().max() / w.abs().max())
+        assert err <= tol, err
