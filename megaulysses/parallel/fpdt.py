@@ -46,7 +46,7 @@ memory on CUDA): simple, not overlapped with compute.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -56,6 +56,10 @@ from megaulysses.model.attention.block import (attention_block_size, merge, part
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 from megaulysses.parallel.host_memory import mark_host
+from megaulysses.parallel.ulysses import repeat_kv_heads
+
+if TYPE_CHECKING:
+    from megaulysses.model.gpt import GPT
 
 
 class ChunkedUlyssesAttention:
@@ -246,15 +250,8 @@ def _fused_backward(plan: _Plan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: i
     return dq, dk, dv
 
 
-def _repeat(t: torch.Tensor, P: int) -> torch.Tensor:
-    """k or v `[b, L, hkv, d]`, each head repeated P/hkv times when P is a multiple of hkv
-    (`[b, L, P, d]`), else itself."""
-    hkv = t.shape[2]
-    return t.repeat_interleave(P // hkv, dim=2) if hkv % P else t
-
-
 def _sum_repeats(t: torch.Tensor, hkv: int) -> torch.Tensor:
-    """The gradient `[b, L, max(hkv, P), d]` of `_repeat`'s output -> `[b, L, hkv, d]`."""
+    """The gradient `[b, L, max(hkv, P), d]` of `repeat_kv_heads`' output -> `[b, L, hkv, d]`."""
     b, L, h, d = t.shape
     return t if h == hkv else t.view(b, L, hkv, h // hkv, d).sum(3)
 
@@ -264,7 +261,7 @@ class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention):
         plan = _Plan(core, q, k, mask)
-        kv = [tuple(plan.keep(plan.to_heads(_repeat(t[:, plan.rows(j)], plan.P)))
+        kv = [tuple(plan.keep(plan.to_heads(repeat_kv_heads(t[:, plan.rows(j)], plan.P)))
                     for t in (k, v))
               for j in range(plan.C)]  # C x (k_j, v_j) [b, P*L, hkv/P, d]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, S/P, hq, d]
@@ -331,3 +328,15 @@ def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, dout, kv: list, acc: list,
         acc[j][1] = plan.add(acc[j][1], dv)
         del dq_ij, dk, dv
     return dq_i
+
+
+def apply_fpdt(model: GPT, comm: Comm, chunks: int, offload: bool, dim: str = SP) -> GPT:
+    """Under Ulysses (sp > 1), swap every block's attention core for the chunked one (in
+    place; --ds-sequence-parallel-fpdt: `chunks`, --ds-sequence-parallel-fpdt-offloading:
+    `offload`). It picks its own kernels, so the model's core is not wrapped."""
+    if comm.size(dim) == 1 or not chunks:
+        return model
+    for layer in model.layers.values():
+        if layer is not None:
+            layer.attn.core = ChunkedUlyssesAttention(comm, chunks, offload, dim)
+    return model

@@ -53,6 +53,7 @@ from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, s
 from megaulysses.parallel.recompute import apply_recompute
 from megaulysses.parallel.ring import apply_context_parallel
 from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel
+from megaulysses.parallel.fpdt import apply_fpdt
 from megaulysses.parallel.ulysses import apply_ulysses
 from megaulysses.parallel.zero import Zero
 
@@ -83,8 +84,11 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     if dims.tp > 1:  # 2
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
     apply_context_parallel(model, comm)  # 3
-    apply_ulysses(model, comm, chunks=fpdt_chunks(cfg.model, mem),
-                  offload=mem.ds_sequence_parallel_fpdt_offloading)
+    if mem.ds_sequence_parallel_fpdt:  # the chunked Ulysses core instead (parallel/fpdt.py)
+        apply_fpdt(model, comm, fpdt_chunks(cfg.model, mem),
+                   mem.ds_sequence_parallel_fpdt_offloading)
+    else:
+        apply_ulysses(model, comm)
     apply_recompute(model, mem.recompute_granularity, mem.recompute_method,  # 4
                     mem.recompute_num_layers, early_stop=mem.tiled_mlp_chunks == 1
                     and mem.attention_head_groups == 1,  # nested checkpoints: recompute.py

@@ -79,11 +79,16 @@ class UlyssesAttention:
         """[k, v] `[b, S/P, hkv, d]`, emptied -> [k, v] `[b, S, max(hkv, P)/P, d]`."""
         out = []
         while kv:
-            t = kv.pop(0)
-            if t.shape[2] % self.P:  # P % hkv == 0 (checked at start-up): one kv head per rank
-                t = t.repeat_interleave(self.P // t.shape[2], dim=2)  # [b, S/P, P, d]
-            out.append(self.to_heads(t))
+            out.append(self.to_heads(repeat_kv_heads(kv.pop(0), self.P)))
         return out
+
+
+def repeat_kv_heads(t: torch.Tensor, P: int) -> torch.Tensor:
+    """k or v `[b, s, hkv, d]`, each head repeated P/hkv times when P is a multiple of hkv
+    (`[b, s, P, d]`: after the exchange one kv head per rank), else itself. (P % hkv == 0
+    is checked at start-up.)"""
+    hkv = t.shape[2]
+    return t.repeat_interleave(P // hkv, dim=2) if hkv % P else t
 
 
 def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
@@ -93,18 +98,13 @@ def ulysses_bytes_per_layer(b: int, S: int, hq: int, hkv: int, d: int, P: int,
     return heads * b * S * d * element_size * (P - 1) // (P * P)
 
 
-def apply_ulysses(model: GPT, comm: Comm, dim: str = SP, chunks: int = 0,
-                  offload: bool = False) -> GPT:
-    """Swap every block's attention core for the Ulysses wrapper (in place); with `chunks`
-    (--ds-sequence-parallel-fpdt) for the sequence-chunked one of parallel/fpdt.py, which
-    picks its own kernels (`offload`: its kept chunks on the host)."""
+def apply_ulysses(model: GPT, comm: Comm, dim: str = SP) -> GPT:
+    """Swap every block's attention core for the Ulysses wrapper (in place)."""
     if comm.size(dim) == 1:
         return model
-    from megaulysses.parallel.fpdt import ChunkedUlyssesAttention
     for layer in model.layers.values():
         if layer is not None:
-            layer.attn.core = (ChunkedUlyssesAttention(comm, chunks, offload, dim) if chunks
-                               else UlyssesAttention(layer.attn.core, comm, dim))
+            layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
     return model
 
 
