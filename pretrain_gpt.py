@@ -68,6 +68,12 @@ def _exit_after_lost_rank(e: BaseException, cfg) -> None:
     os._exit(1)
 
 
+def _checkpoint_model(load: str):
+    """--use-checkpoint-args: the --load checkpoint's model flags (imports torch)."""
+    from megaulysses.training.checkpoint_args import model_fields
+    return model_fields(load)
+
+
 def main(argv=None) -> int:
     setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -77,7 +83,7 @@ def main(argv=None) -> int:
                      "spells out every flag); outputs in runs/default/")
     cfg = trainer = None
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, checkpoint_model=_checkpoint_model)
         if cfg.memory.dry_run:
             from megaulysses.training.dry_run import dry_run
             return dry_run(cfg)

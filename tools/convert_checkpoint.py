@@ -137,14 +137,11 @@ at the end, so a failed conversion leaves nothing behind.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 from typing import Optional
 
 try:
@@ -158,6 +155,7 @@ if _TOOLS not in sys.path:  # the converter's modules beside it (tests load it b
 from megaulysses.config import (CheckpointError, ConfigError, ModelConfig,  # noqa: E402
                                 positive_int)
 
+from convert_outputs import check_target, staged  # noqa: E402,F401 (megatron_convert's)
 from hf_errors import ConvertError, warn  # noqa: E402
 from hf_families import (FAMILIES, ROPE_FAMILIES, family_of, hf_config,  # noqa: E402
                          links_for, model_fields_from_hf, pick_arch, read_family_config)
@@ -165,53 +163,17 @@ from hf_rope import rope_flags  # noqa: E402
 from hf_sentencepiece import hf_tokenizer  # noqa: E402,F401  (tests use it from here)
 from hf_tokenizers import (checkpoint_tokenizer, export_tokenizer,  # noqa: E402
                            import_tokenizer, tokenizer_flags, tokenless_ids)
+import megatron_convert  # noqa: E402
 from hf_weights import (DEFAULT_SHARD_SIZE, DTYPES, read_hf_weights,  # noqa: E402
                         save_weights, shard_size, source_dtype, state_from_hf, to_hf_tensor)
-
-
-# -- output directories: written aside, renamed into place --------------------------------
-
-def check_target(path: str, flag: str, force: bool):
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConvertError(flag, f"{path} exists and is not a directory")
-    if os.path.isdir(path) and os.listdir(path) and not force:
-        raise ConvertError(flag, f"{path} exists and is not empty (pass --force to replace it)")
-
-
-@contextlib.contextmanager
-def staged(path: str):
-    """Yield a temporary directory next to `path`; on success it replaces `path`."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-",
-                           dir=parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would stay on the output
-        yield tmp
-        old = None
-        if os.path.exists(path):  # empty, or --force: keep it until the new one is in place
-            old = tempfile.mkdtemp(prefix=".old-", dir=parent)
-            os.replace(path, os.path.join(old, "x"))
-        os.replace(tmp, path)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # -- ours -> Hugging Face -------------------------------------------------------------------
 
 def read_ours(load: str):
-    """(meta, state, resolved checkpoint directory)."""
-    if not os.path.exists(load):  # before importing torch: a typo answers at once
-        raise ConvertError("--load", f"{load} does not exist")
-    from megaulysses.training.checkpoint import find_checkpoint, read_model_checkpoint
-    path = find_checkpoint(load)
-    meta, state = read_model_checkpoint(path)
-    return meta, state, path
+    """(meta, state, resolved checkpoint directory) of our checkpoint, or of a Megatron-LM
+    one converted in memory (Megatron-LM -> Hugging Face in one command)."""
+    return megatron_convert.read_any(load)
 
 
 def run_mask(meta: dict) -> dict:
@@ -446,6 +408,9 @@ def from_hf(args) -> str:
 
 # -- command line ---------------------------------------------------------------------------
 
+DIRECTIONS = "{to-hf,from-hf,from-megatron,to-megatron}"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit 2 (raised as ConvertError)."""
 
@@ -454,8 +419,9 @@ class _Parser(argparse.ArgumentParser):
             flag, rule = message[len("argument "):].split(": ", 1)
             raise ConvertError("direction" if flag.startswith("{") else flag.split("/")[0],
                                rule)
-        if "{to-hf,from-hf}" in message:  # no direction given
-            raise ConvertError("direction", "required: to-hf or from-hf (see --help)")
+        if DIRECTIONS in message:  # no direction given
+            raise ConvertError("direction", "required: to-hf, from-hf, from-megatron or "
+                                            "to-megatron (see --help)")
         required = "the following arguments are required: "
         if message.startswith(required):
             raise ConvertError(message[len(required):].split(",")[0].split("/")[0], "required")
@@ -511,10 +477,11 @@ def _from_hf_parser(sub):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="convert_checkpoint.py", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="direction", required=True, metavar="{to-hf,from-hf}",
+    sub = p.add_subparsers(dest="direction", required=True, metavar=DIRECTIONS,
                            parser_class=_Parser)
     _to_hf_parser(sub)
     _from_hf_parser(sub)
+    megatron_convert.add_parsers(sub)
     return p
 
 
@@ -523,8 +490,12 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if args.direction == "to-hf":
             to_hf(args)
-        else:
+        elif args.direction == "from-hf":
             from_hf(args)
+        elif args.direction == "from-megatron":
+            megatron_convert.from_megatron(args, trainer_flags)
+        else:
+            megatron_convert.to_megatron(args)
     except (ConvertError, CheckpointError, ConfigError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

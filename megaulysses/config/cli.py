@@ -16,6 +16,7 @@ from dataclasses import MISSING, Field, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
 from megaulysses.config import megatron
+from megaulysses.config.checkpoint_args import CheckpointModel, apply_checkpoint_args
 from megaulysses.config.errors import ConfigError
 from megaulysses.config.rules import validate
 from megaulysses.config.fields import Flag
@@ -199,15 +200,18 @@ def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str
     return set(vars(parser.parse_args(argv)))
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> Config:
+def parse_args(argv: Optional[Sequence[str]] = None,
+               checkpoint_model: Optional[CheckpointModel] = None) -> Config:
     """The flags as given, checked by every rule that needs no world size or tokenizer;
-    without a data source, the bundled run's preset in place of the defaults not given."""
+    without a data source, the bundled run's preset in place of the defaults not given.
+    `checkpoint_model` reads --use-checkpoint-args' model flags from a --load checkpoint."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # Megatron-LM's flags for what is not provided here stop the run first, all named
     megatron.refuse_first(argv, _Parser(prog="pretrain_gpt.py", add_help=False,
                                         allow_abbrev=False))
     ns = build_parser().parse_args(argv)
     given = given_dests(build_parser(), argv)
+    given = apply_checkpoint_args(ns, given, checkpoint_model)
     if ns.num_query_groups is not None and not ns.group_query_attention:
         raise ConfigError("--num-query-groups", "needs --group-query-attention")
     if ns.group_query_attention and ns.num_query_groups is None:

@@ -194,12 +194,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--ckpt-step": (REFUSED, "loading a chosen iteration (the latest is loaded here)"),
     "--no-initialization": (NO_EFFECT, "start-up time only: the model is built on the meta "
                                        "device here"),
-    "--use-checkpoint-args": (REFUSED, "model flags read from the checkpoint"),
     "--use-mp-args-from-checkpoint-args": (REFUSED, "parallel flags read from the checkpoint"),
     "--no-use-tokenizer-model-from-checkpoint-args": (NO_EFFECT, "already so here: the "
                                                                  "tokenizer comes from the "
                                                                  "flags"),
-    "--exit-on-missing-checkpoint": (REFUSED, "exiting when --load holds no checkpoint"),
     **{f: (NO_EFFECT, _CKPT_FORMAT) for f in (
         "--use-dist-ckpt", "--use-persistent-ckpt-worker", "--auto-detect-ckpt-format",
         "--dist-ckpt-format", "--ckpt-format", "--ckpt-convert-update-legacy-dist-opt-format",

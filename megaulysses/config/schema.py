@@ -292,7 +292,14 @@ class TrainConfig:
     eval_iters: int = option(100, "global batches per evaluation; 0 disables evaluation", kind="int")
     save: Optional[str] = option(None, "checkpoint directory to save to")
     load: Optional[str] = option(
-        None, "checkpoint directory (or iter_XXXXXXX directory) to resume from")
+        None, "checkpoint directory (or iter_XXXXXXX directory) to resume from: ours, or a "
+        "Megatron-LM save directory (torch_dist or torch format, converted on the fly)")
+    use_checkpoint_args: bool = option(
+        False, "the model flags come from the --load checkpoint (ours or Megatron-LM's); a "
+        "model flag given that contradicts it is an error", action="store_true")
+    exit_on_missing_checkpoint: bool = option(
+        False, "with --load: exit (2) when it holds no checkpoint, even where --save names "
+        "the same directory (otherwise that starts from scratch)", action="store_true")
     save_interval: Optional[int] = option(
         None, "with --save: save every this many iterations; default: at the end only",
         kind="positive", names=("--save-interval", "--persistent-save-interval"))

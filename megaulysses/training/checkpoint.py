@@ -182,14 +182,25 @@ def _iteration_dirs(save_dir: str) -> list[tuple[int, bool]]:
     return out
 
 
-def find_checkpoint(load: str, save: Optional[str] = None) -> Optional[str]:
+def find_checkpoint(load: str, save: Optional[str] = None,
+                    required: bool = False) -> Optional[str]:
     """The committed checkpoint directory `--load` names, or None to start from scratch.
+    A Megatron-LM checkpoint's iteration directory is returned as it is (megatron.is_megatron
+    tells it apart; the trainer converts it).
 
     Starting from scratch is allowed only where a run resumes into its own --save
-    directory (the same command line for the first job and every requeued one); any
-    other --load that holds nothing loadable is an error, never a silent fresh start.
+    directory (the same command line for the first job and every requeued one), and not
+    even there with --exit-on-missing-checkpoint (`required`); any other --load that holds
+    nothing loadable is an error, never a silent fresh start.
     """
+    from megaulysses.training.megatron.detect import find_iteration_dir
     own = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    if required and own and (not os.path.isdir(load) or not os.listdir(load)):
+        raise CheckpointError(f"--exit-on-missing-checkpoint: --load {load} holds no "
+                              "checkpoint")
+    megatron = find_iteration_dir(load)
+    if megatron is not None:
+        return megatron
     if not os.path.exists(load):
         if own:
             log.info("--load %s does not exist yet: starting from scratch", load)
@@ -208,7 +219,7 @@ def find_checkpoint(load: str, save: Optional[str] = None) -> Optional[str]:
     path = _newest_committed(load, dirs, _marker(load))
     if path is not None:
         return path
-    if own:
+    if own and not required:
         log.warning("--load %s holds no committed checkpoint: starting from scratch", load)
         return None
     if dirs:

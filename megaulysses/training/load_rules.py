@@ -64,7 +64,9 @@ def check_meta(path: str, saved: dict, expect: dict) -> None:
         raise CheckpointError(
             f"--load: {path} was saved with {', '.join(f'{f}={o}' for f, o, _ in differ)} "
             f"but this run has {', '.join(f'{f}={n}' for f, _, n in differ)}")
-    _check_vocab(path, shape, saved.get("tokenizer"), expect)
+    # A Megatron-LM import records the padded vocabulary only (not its tokenizer's size)
+    known = saved.get("converted_from", {}).get("vocab_size_known", True)
+    _check_vocab(path, shape, saved.get("tokenizer"), expect, known)
     if rope:
         log_position_changes(path, saved_value, expect["model"])
 
@@ -84,10 +86,11 @@ def log_position_changes(path: str, saved_value, now: dict) -> None:
                  ", ".join(f"{f} {new}" for f, _, new in changes))
 
 
-def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict) -> None:
+def _check_vocab(path: str, shape: dict, saved_tok: Optional[dict], expect: dict,
+                 known: bool = True) -> None:
     want, tok = expect["model"], expect.get("tokenizer") or {}
     where = tok.get("flag", "the tokenizer")
-    if shape.get("vocab_size") != want["vocab_size"]:
+    if known and shape.get("vocab_size") != want["vocab_size"]:
         raise CheckpointError(f"--load: {path} was saved with a vocabulary of "
                               f"{shape.get('vocab_size')} tokens but {where} has "
                               f"{want['vocab_size']}")

@@ -20,7 +20,8 @@ def check_outputs(cfg: Config) -> None:
     """ConfigError when this run would overwrite an earlier run's metrics or checkpoints."""
     _check_kinds(cfg)
     t = cfg.train
-    loaded = ckpt.find_checkpoint(t.load, t.save) if t.load else None
+    loaded = ckpt.find_checkpoint(t.load, t.save, t.exit_on_missing_checkpoint) \
+        if t.load else None
     resumes_own = loaded is not None and t.save is not None and _same(t.load, t.save)
     if loaded is None:
         _check_metrics(cfg.log.metrics_jsonl)

@@ -13,7 +13,7 @@ from megaulysses.config import Config, RunConfig, TrainingError
 from megaulysses.config.schedule import global_batch_at
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.training import checkpoint as ckpt
-from megaulysses.training import faults
+from megaulysses.training import faults, megatron
 from megaulysses.training.metrics import MetricsWriter, flops_per_iteration, peak_tflops
 from megaulysses.training.optim import LossScaler, LRSchedule, lr_bounds, set_lr
 from megaulysses.training.profiling import StepProfiler
@@ -81,14 +81,21 @@ class Trainer:
 
     def _load(self, load_dir: str) -> None:
         t, cfg = self.cfg.train, self.cfg
-        path = ckpt.find_checkpoint(load_dir, t.save)
+        path = ckpt.find_checkpoint(load_dir, t.save, t.exit_on_missing_checkpoint)
         if path is None:
             return
         expect = {"model": cfg.model.shape_dict(),
                   "tokenizer": ckpt.tokenizer_meta(cfg, self.tokenizer.vocab_size)}
-        self.state, meta = ckpt.load_checkpoint(path, self.model, self.optimizer, expect,
-                                                self.rank, load_optim=not t.no_load_optim,
-                                                load_rng=not t.no_load_rng)
+        imported = megatron.is_megatron(path)
+        if imported:  # converted by rank 0 into our format, read by all, then removed
+            path = megatron.import_for_run(path, t.save, self.rank, self.comm)
+        try:
+            self.state, meta = ckpt.load_checkpoint(
+                path, self.model, self.optimizer, expect, self.rank,
+                load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
+        finally:
+            if imported:
+                megatron.remove_import(path, self.rank, self.comm)
         # An imported model's origin (tools/convert_checkpoint.py: its family, source dtype,
         # special ids) goes on in every checkpoint trained from it, for the export back.
         self.converted_from = meta.get("converted_from")

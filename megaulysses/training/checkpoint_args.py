@@ -1,0 +1,50 @@
+"""What --use-checkpoint-args reads: the model flags of a --load checkpoint, ours
+(trainer_state.json's "model") or Megatron-LM's (its `args`), as parser destinations.
+config.checkpoint_args merges them into the command line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megaulysses.config import ModelConfig
+from megaulysses.training import checkpoint as ckpt
+from megaulysses.training.load_rules import ROPE_KEYS
+from megaulysses.training.megatron.detect import find_iteration_dir
+
+# Shape keys that are no flag of their own (the vocabulary comes from the tokenizer).
+NOT_FLAGS = ("vocab_size", "padded_vocab_size")
+
+
+def fields_of(cfg: ModelConfig) -> dict[str, Any]:
+    """{parser destination: value} of the flags that build `cfg`'s shape."""
+    shape = cfg.shape_dict()
+    out = {k: v for k, v in shape.items() if k not in NOT_FLAGS}
+    gqa = cfg.num_kv_heads != cfg.num_attention_heads
+    out.update(group_query_attention=gqa, num_query_groups=cfg.num_kv_heads if gqa else None)
+    return out
+
+
+def free_keys(cfg: ModelConfig) -> set[str]:
+    """What a run may change at --load (load_rules says why)."""
+    rope = set(ROPE_KEYS) if cfg.position_embedding_type == "rope" else set()
+    return {"seq_length", "hidden_dropout", "attention_dropout"} | rope
+
+
+def model_fields(load: str) -> tuple[dict[str, Any], str, set[str]]:
+    """(fields, where, free keys) of the checkpoint --load names."""
+    fields, where = _read(load)
+    return fields, where, free_keys(ckpt.model_config(fields))
+
+
+def _read(load: str) -> tuple[dict[str, Any], str]:
+    path = ckpt.find_checkpoint(load)
+    if find_iteration_dir(path) is not None:
+        from megaulysses.training.megatron.read import read_model_config
+        cfg = read_model_config(path)
+        dropout = {k: getattr(cfg, k) for k in ("hidden_dropout", "attention_dropout")}
+        return {**fields_of(cfg), **dropout}, f"the Megatron-LM checkpoint {path}"
+    meta = ckpt.read_meta(path)
+    cfg = ckpt.model_config(meta["model"])
+    run = meta.get("args", {}).get("model", {})  # a training run's: its dropout too
+    dropout = {k: run[k] for k in ("hidden_dropout", "attention_dropout") if k in run}
+    return {**fields_of(cfg), **dropout}, path
