@@ -36,11 +36,13 @@ def _worker(rank, world, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0):
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, daemon: bool = True):
+    """`daemon` False: ranks that start processes of their own (megatron-core's checkpoint
+    writer does); they are killed all the same when one fails or hangs."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=daemon)
              for r in range(world)]
     for p in procs:
         p.start()

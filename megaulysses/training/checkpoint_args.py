@@ -45,6 +45,7 @@ def _read(load: str) -> tuple[dict[str, Any], str]:
         return {**fields_of(cfg), **dropout}, f"the Megatron-LM checkpoint {path}"
     meta = ckpt.read_meta(path)
     cfg = ckpt.model_config(meta["model"])
-    run = meta.get("args", {}).get("model", {})  # a training run's: its dropout too
+    # a training run's dropout, or the one a Megatron-LM import recorded
+    run = meta.get("args", {}).get("model", meta.get("converted_from", {}))
     dropout = {k: run[k] for k in ("hidden_dropout", "attention_dropout") if k in run}
     return {**fields_of(cfg), **dropout}, path

@@ -81,6 +81,8 @@ def dumps(obj: Any) -> io.BytesIO:
 # -- args -> our model -----------------------------------------------------------------------
 
 # Megatron-LM args that name an architecture we do not build: (attribute, test, what).
+# (Not encoder_num_layers or bert_binary_head: Megatron-LM sets them for every GPT too;
+# an encoder shows in the tensors, read.py refuses encoder.* names.)
 _UNSUPPORTED = (
     ("num_experts", lambda v: v not in (None, 0, 1), "mixture of experts (--num-experts)"),
     ("multi_latent_attention", bool, "multi-latent attention (--multi-latent-attention)"),
@@ -89,10 +91,7 @@ _UNSUPPORTED = (
     ("rotary_interleaved", bool, "interleaved RoPE (--rotary-interleaved)"),
     ("squared_relu", bool, "squared ReLU (--squared-relu)"),
     ("heterogeneous_layers_config_path", bool, "heterogeneous layers"),
-    ("num_experts_per_tok", bool, "mixture of experts"),
     ("mtp_num_layers", bool, "multi-token prediction (--mtp-num-layers)"),
-    ("encoder_num_layers", lambda v: v not in (None, 0), "an encoder (T5/BERT)"),
-    ("bert_binary_head", bool, "a BERT model"),
     ("moe_layer_freq", lambda v: v not in (None, 1), "mixture of experts"),
 )
 
@@ -172,7 +171,10 @@ def model_config(args: Any, where: str, padded_vocab: int) -> tuple[ModelConfig,
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False)),
         swiglu=bool(_get(args, "swiglu", False)),
         add_bias_linear=bool(_get(args, "add_bias_linear", True)),
-        add_qkv_bias=bool(_get(args, "add_qkv_bias", False)),
+        # Megatron-LM sets add_qkv_bias whenever add_bias_linear is on; ours means "q, k, v
+        # only", so it stays off where every linear has a bias
+        add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) and not bool(
+            _get(args, "add_bias_linear", True)),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         untie_embeddings_and_output_weights=bool(
             _get(args, "untie_embeddings_and_output_weights", False)),
@@ -220,7 +222,8 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, run: Optional[dict] = None
         use_rope_scaling=cfg.use_rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor,
         normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p, swiglu=cfg.swiglu,
-        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,  # Megatron-LM keeps them in sync
         qk_layernorm=cfg.qk_layernorm,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         padded_vocab_size=cfg.padded_vocab_size, vocab_size=cfg.vocab_size,

@@ -40,13 +40,18 @@ def _schedule(args: Any) -> dict:
     return out
 
 
+RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "init_method_std")
+
+
 def origin(ckpt: MegatronCheckpoint) -> dict:
     """trainer_state.json's "converted_from" for an imported Megatron-LM checkpoint."""
     args = ckpt.common["args"]
     return {"megatron_dir": os.path.abspath(ckpt.path), "format": ckpt.fmt,
             "dtype": ckpt.source_dtype, "vocab_size_known": ckpt.vocab_known,
             "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", 1),
-            "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1)}
+            "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1),
+            # the run's settings --use-checkpoint-args and to-hf carry (no weight's shape)
+            **{k: getattr(ckpt.cfg, k) for k in RUN_SETTINGS}}
 
 
 def import_megatron(path: str, save_dir: str) -> tuple[MegatronCheckpoint, str]:
@@ -128,7 +133,8 @@ def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: s
     """Our whole-model `state` (trainer_state `meta`) -> a Megatron-LM save directory in
     `out` (tracker + iter_* or release/); returns the iteration directory."""
     from megaulysses.training.checkpoint import model_config
-    cfg = model_config(meta["model"])
+    run = _run_args(meta) or meta.get("converted_from", {})  # dropout and init, if known
+    cfg = model_config({**meta["model"], **{k: run[k] for k in RUN_SETTINGS if k in run}})
     write.check_sizes(cfg, tp, pp)
     meg = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in
            to_megatron(cfg, state).items()}

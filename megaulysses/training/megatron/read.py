@@ -16,6 +16,7 @@ No megatron import: DCP and a tolerant unpickler (args.load_pickle) read everyth
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -35,7 +36,13 @@ COMMON_FILE = "common.pt"
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core >= 0.19: ShardedObject("common_state")
 LEGACY_FILE = "model_optim_rng.pt"
 # Tensors under these prefixes are the model's; everything else (optimizer, RNG) is not.
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "lm_head.",
+                  "binary_head.", "pooler.")
+# Names of models we do not build, found among the tensors: what to call them.
+FOREIGN = (("encoder.", "an encoder (a T5 or BERT model)"),
+           ("lm_head.", "a BERT model"), ("binary_head.", "a BERT model"),
+           (".experts.", "mixture of experts"), (".router.", "mixture of experts"),
+           (".mixer.", "a Mamba model"), ("inter_attention", "a T5 decoder"))
 
 
 @dataclass
@@ -67,13 +74,29 @@ def _dist_metadata(path: str) -> Any:
         raise CheckpointError(f"{path}: unreadable torch_dist checkpoint ({e})")
 
 
+def _raw_bytes_planner() -> Any:
+    """DCP's load planner, but an object entry (megatron-core's ShardedObjects: the common
+    state, extra states) stays the bytes it is: megatron-core wrote them with torch.save
+    itself, and DCP's own torch.load would need megatron's classes importable."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class RawBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            target = self.state_dict[read_item.dest_index.fqn]  # the caller's BytesIO
+            target.write(value.read())
+            target.seek(0)
+
+    return RawBytes(flatten_state_dict=False)
+
+
 def _dist_load(path: str, state: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from megaulysses.training.checkpoint import _quiet, _root_cause
     try:
         with _quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True,
+                     planner=_raw_bytes_planner())
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{path}: corrupt or incomplete torch_dist checkpoint "
                               f"({_root_cause(e)})")
@@ -86,11 +109,9 @@ def _dist_common(path: str, metadata: Any) -> dict:
     if COMMON_KEY not in metadata.state_dict_metadata:
         raise CheckpointError(f"{path}: no {COMMON_FILE} and no common_state inside: not a "
                               "Megatron-LM checkpoint (its args are missing)")
-    import io
     state = {COMMON_KEY: io.BytesIO()}
     _dist_load(path, state)
     buf = state[COMMON_KEY]
-    buf.seek(0)
     return margs.load_pickle(buf, f"{path} (common_state)")[0]
 
 
@@ -185,6 +206,11 @@ def read_legacy(path: str) -> tuple[dict, dict, str, dict]:
             for name, tensor in stage.items():
                 if p < pp - 1 or name != "output_layer.weight" or _untied(common):
                     shards.setdefault(name, [None] * tp)[t] = tensor
+    for name, parts in shards.items():
+        if any(p is None for p in parts):
+            t = parts.index(None)
+            raise CheckpointError(f"{os.path.join(path, f'mp_rank_{t:02d}')}*: tensor {name} "
+                                  "is missing from this tensor-parallel rank's files")
     dtype = str(next(iter(shards.values()))[0].dtype).replace("torch.", "")
     return common, shards, dtype, {"tp": tp, "pp": pp}
 
@@ -194,6 +220,14 @@ def _untied(common: dict) -> bool:
 
 
 # -- either ------------------------------------------------------------------------------
+
+def _check_foreign(found: set, path: str) -> None:
+    for part, what in FOREIGN:
+        name = next((n for n in sorted(found) if part in n), None)
+        if name is not None:
+            raise CheckpointError(f"{path}: tensor {name}: {what} is not an architecture "
+                                  "this framework builds (a dense GPT only)")
+
 
 def _check_names(cfg: ModelConfig, found: set, path: str) -> None:
     want = set(megatron_names(cfg))
@@ -226,6 +260,7 @@ def read_megatron(path: str) -> MegatronCheckpoint:
         raise CheckpointError(f"{iter_dir}: checkpoint_version {version}: the pre-2.0 qkv "
                               "ordering is not read here (re-save with Megatron-LM first)")
     names = set(whole) if fmt == "torch_dist" else set(shards)
+    _check_foreign(names, iter_dir)
     padded = _padded_vocab(whole if fmt == "torch_dist" else shards, args)
     cfg, known = margs.model_config(args, iter_dir, padded)
     _check_names(cfg, names, iter_dir)

@@ -17,6 +17,7 @@ local spec's (`impl="local"`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any
@@ -63,7 +64,8 @@ def check_sizes(cfg: ModelConfig, tp: int, pp: int) -> None:
 # -- torch_dist --------------------------------------------------------------------------
 
 def _stacked(cfg: ModelConfig, meg: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Per-layer names -> megatron-core's stacked [L, ...] keys, plus extra states."""
+    """Per-layer names -> megatron-core's stacked [L, ...] keys, plus each layer linear's
+    (empty) extra state, one ShardedObject a layer; the output layer has none there."""
     out: dict[str, Any] = {}
     per_layer: dict[str, list] = {}
     for name, tensor in meg.items():
@@ -78,8 +80,22 @@ def _stacked(cfg: ModelConfig, meg: dict[str, torch.Tensor]) -> dict[str, Any]:
     for linear in LINEARS:
         for i in range(n):
             out[f"decoder.layers.{linear}._extra_state/shard_{i}_{n}"] = dumps([None])
-    out["output_layer._extra_state/shard_0_1"] = dumps([None])
     return out
+
+
+def _raw_bytes_planner() -> Any:
+    """DCP's save planner, but an object entry already serialized (io.BytesIO of a
+    torch.save, as megatron-core stores its ShardedObjects) is written as it is."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class RawBytes(DefaultSavePlanner):
+        def transform_object(self, write_item: Any, object: Any) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+                return object
+            return super().transform_object(write_item, object)
+
+    return RawBytes()
 
 
 def write_torch_dist(out: str, cfg: ModelConfig, meg: dict[str, torch.Tensor],
@@ -92,7 +108,8 @@ def write_torch_dist(out: str, cfg: ModelConfig, meg: dict[str, torch.Tensor],
     else:
         state[COMMON_KEY] = dumps([common])
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True,
+                 planner=_raw_bytes_planner())
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}, f)
