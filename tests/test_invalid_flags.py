@@ -685,6 +685,7 @@ ALONE = {
     "--async-save": ["--save", "runs/ck"],
     "--no-load-optim": [],
     "--no-load-rng": [],
+    "--exit-on-missing-checkpoint": ["--load", "runs/ck"],
     "--generate": ["100"],
     "--check-for-nan-in-loss-and-grad": [],  # restates the default
     "--no-check-for-nan-in-loss-and-grad": [],
@@ -800,6 +801,9 @@ ALONE = {
 RESTATE_A_DEFAULT = {"--swiglu", "--disable-bias-linear", "--check-for-nan-in-loss-and-grad",
                      "--use-rotary-position-embeddings"}  # the bundled run's rope
 NOT_A_RUN = {"-h", "--help"}  # prints the help and exits 0 (tests/test_help.py)
+# Reads the model flags of a real --load checkpoint: tests/tools/test_megatron_bad_input.py
+# (a flag that contradicts it) and test_megatron_checkpoints.py (a run from Megatron-LM's).
+NEEDS_A_CHECKPOINT = {"--use-checkpoint-args"}
 
 
 def test_every_flag_is_tabled():
@@ -810,8 +814,8 @@ def test_every_flag_is_tabled():
     from megaulysses.config import build_parser
     options = {o for a in build_parser()._actions if a.help is not argparse.SUPPRESS
                for o in a.option_strings}
-    assert set(ALONE) | NOT_A_RUN == options, (
-        f"missing: {sorted(options - set(ALONE) - NOT_A_RUN)}, "
+    assert set(ALONE) | NOT_A_RUN | NEEDS_A_CHECKPOINT == options, (
+        f"missing: {sorted(options - set(ALONE) - NOT_A_RUN - NEEDS_A_CHECKPOINT)}, "
         f"not flags: {sorted(set(ALONE) - options)}")
 
 

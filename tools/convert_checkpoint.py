@@ -1,4 +1,30 @@
-"""Convert checkpoints between megaulysses and Hugging Face transformers.
+"""Convert checkpoints between megaulysses, Hugging Face transformers and Megatron-LM.
+
+  from-megatron  a Megatron-LM --save directory or iter_*/release directory, torch_dist
+           (megatron-core's keys; common state in common.pt or, from 0.19, inside the DCP
+           files) or legacy torch (mp_rank_XX[_YYY]/model_optim_rng.pt), any tensor and
+           pipeline sizes -> our checkpoint (the model; iteration, consumed samples and LR
+           schedule carried; a fresh optimizer). The model comes from the checkpoint's args
+           (unpickled without megatron installed). Prints the pretrain_gpt.py flags.
+           pretrain_gpt.py --load takes such a directory directly (converted on the fly).
+
+    python tools/convert_checkpoint.py from-megatron --load megatron_ckpts --save imported
+
+  to-megatron  our checkpoint (or a Megatron-LM one, to re-shard) -> Megatron-LM's
+           --ckpt-format torch_dist (default; --megatron-common-pt for megatron-core <= 0.18's
+           common.pt) or torch at --tensor-model-parallel-size / --pipeline-model-parallel-size,
+           with the args Namespace its --use-checkpoint-args reads; module names of
+           --transformer-impl transformer_engine (default) or local for the legacy files.
+           Iteration 0 is written as Megatron-LM's "release" (loaded without optimizer and
+           RNG state); a later one needs Megatron-LM's --no-load-optim --no-load-rng.
+
+    python tools/convert_checkpoint.py to-megatron --load runs/default/checkpoints --save meg
+
+  Layouts (megaulysses/training/megatron/layout.py): our q, k, v <-> linear_qkv grouped per
+  query group [q heads of the group; k; v]; our gate and fc1 <-> SwiGLU's linear_fc1
+  [gate; up] (per tensor-parallel rank: [gate_r; up_r]); Megatron-LM pads the vocabulary to
+  --make-vocab-size-divisible-by x tp, recorded as our divisor. to-hf accepts a Megatron-LM
+  directory too (Megatron-LM -> Hugging Face in one command).
 
   to-hf    a checkpoint of ours (saved on any grid: tp/pp/sp/dp/ZeRO; the files hold whole
            tensors) -> a Hugging Face directory of one of these families (--arch):

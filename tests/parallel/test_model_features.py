@@ -20,7 +20,10 @@ from dist import run_ranks
 from helpers import LLAMA, read_jsonl
 
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 5e-5
+# Parameters after 2 AdamW steps at lr 3e-3: an element whose gradient is near zero moves
+# by ~lr * m / sqrt(v), which fp32 summation order can tilt; measured up to 5.7e-5
+# (tp2-zero1, attn.v and attn.q) on an AMD EPYC of this workplace, 2.7e-5 elsewhere.
+PARAM_ATOL = 1e-4
 MODEL = LLAMA + [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "24",
