@@ -68,10 +68,10 @@ def _exit_after_lost_rank(e: BaseException, cfg) -> None:
     os._exit(1)
 
 
-def _checkpoint_model(load: str):
+def _checkpoint_model(load: str, save):
     """--use-checkpoint-args: the --load checkpoint's model flags (imports torch)."""
     from megaulysses.training.checkpoint_args import model_fields
-    return model_fields(load)
+    return model_fields(load, save)
 
 
 def main(argv=None) -> int:

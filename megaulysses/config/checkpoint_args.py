@@ -14,7 +14,10 @@ from megaulysses.config.errors import ConfigError
 # {dest: value} of the checkpoint's model, a word for where it came from, and the dests a
 # command line may change (no weight depends on them: --seq-length, dropout, RoPE's
 # positions for context extension, as --load allows; they are logged there).
-CheckpointModel = Callable[[str], tuple[dict[str, Any], str, set[str]]]
+# Called with (--load, --save): a run's own --save without a checkpoint yet (a first job
+# that later ones resume) gives no fields, and the flags given build the model, as in
+# Megatron-LM ("Checkpoint not found to provide arguments, using provided arguments").
+CheckpointModel = Callable[[str, Optional[str]], tuple[dict[str, Any], str, set[str]]]
 
 
 def _same(dest: str, ours: Any, theirs: Any, fields: dict) -> bool:
@@ -41,7 +44,7 @@ def apply_checkpoint_args(ns: argparse.Namespace, given: set[str],
                                                    "the model flags from)")
     if read is None:
         raise ConfigError("--use-checkpoint-args", "not available to this command")
-    fields, where, free = read(ns.load)
+    fields, where, free = read(ns.load, ns.save)
     for dest, value in fields.items():
         if dest in given and dest not in free and not _same(dest, getattr(ns, dest), value,
                                                             fields):

@@ -4,12 +4,15 @@ config.checkpoint_args merges them into the command line."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Optional
 
 from megaulysses.config import ModelConfig
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training.load_rules import ROPE_KEYS
 from megaulysses.training.megatron.detect import find_iteration_dir
+
+log = logging.getLogger(__name__)
 
 # Shape keys that are no flag of their own (the vocabulary comes from the tokenizer).
 NOT_FLAGS = ("vocab_size", "padded_vocab_size")
@@ -30,14 +33,19 @@ def free_keys(cfg: ModelConfig) -> set[str]:
     return {"seq_length", "hidden_dropout", "attention_dropout"} | rope
 
 
-def model_fields(load: str) -> tuple[dict[str, Any], str, set[str]]:
-    """(fields, where, free keys) of the checkpoint --load names."""
-    fields, where = _read(load)
+def model_fields(load: str, save: Optional[str] = None) -> tuple[dict[str, Any], str, set[str]]:
+    """(fields, where, free keys) of the checkpoint --load names; no fields where --load
+    is the run's own --save and holds nothing yet (logged)."""
+    path = ckpt.find_checkpoint(load, save)
+    if path is None:
+        log.info("--use-checkpoint-args: %s holds no checkpoint yet: the model flags given "
+                 "build the model", load)
+        return {}, load, set()
+    fields, where = _read(path)
     return fields, where, free_keys(ckpt.model_config(fields))
 
 
-def _read(load: str) -> tuple[dict[str, Any], str]:
-    path = ckpt.find_checkpoint(load)
+def _read(path: str) -> tuple[dict[str, Any], str]:
     if find_iteration_dir(path) is not None:
         from megaulysses.training.megatron.read import read_model_config
         cfg = read_model_config(path)

@@ -160,3 +160,19 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     own = str(tmp_path / "own")
     line = trainer_error(capsys, "--load", own, "--save", own, "--exit-on-missing-checkpoint")
     assert line == f"error: --exit-on-missing-checkpoint: --load {own} holds no checkpoint"
+
+
+def test_use_checkpoint_args_on_a_first_job(tmp_path):
+    """The same command line for a first job and its requeues: nothing to read yet, the
+    flags given build the model (Megatron-LM's "using provided arguments"); the requeued
+    job reads them back from the checkpoint the first one saved."""
+    import pretrain_gpt
+    own = str(tmp_path / "own")
+    line = [*RUN, "--load", own, "--save", own, "--use-checkpoint-args", "--num-layers", "2",
+            "--hidden-size", "32", "--num-attention-heads", "2"]
+    assert pretrain_gpt.main(line) == 0
+    assert pretrain_gpt.main([*line[:line.index("--num-layers")], "--train-iters", "2"]) == 0
+    from megaulysses.training.checkpoint import find_checkpoint, read_meta
+    meta = read_meta(find_checkpoint(own))
+    assert (meta["iteration"], meta["model"]["num_layers"], meta["model"]["hidden_size"]) == \
+        (2, 2, 32)

@@ -237,4 +237,12 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, run: Optional[dict] = None
     for key, value in run.items():  # the training run's own settings, where saved
         if not hasattr(ns, key) and isinstance(value, (int, float, str, bool, type(None))):
             setattr(ns, key, value)
+    if getattr(ns, "tokenizer_type", None) in TOKENIZER_NAMES:
+        ns.tokenizer_type = TOKENIZER_NAMES[ns.tokenizer_type]
     return ns
+
+
+# Our --tokenizer-type -> Megatron-LM's of the same encoding (its --use-checkpoint-args
+# takes the tokenizer from the checkpoint): its SentencePieceTokenizer adds special tokens
+# of its own, its GPTSentencePieceTokenizer is SentencePiece as it is, as ours.
+TOKENIZER_NAMES = {"SentencePieceTokenizer": "GPTSentencePieceTokenizer"}

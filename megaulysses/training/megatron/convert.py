@@ -70,11 +70,10 @@ def import_megatron(path: str, save_dir: str) -> tuple[MegatronCheckpoint, str]:
 
 def not_carried(ckpt: MegatronCheckpoint) -> str:
     """The one line saying what the import leaves behind."""
-    common = ckpt.common
     parts = ["the optimizer's state (Adam moments and fp32 main weights: the optimizer "
-             "starts fresh)" if common.get("optimizer") or ckpt.fmt == "torch_dist"
-             else "no optimizer state (the source holds none)"]
-    if "rng_state" in common or ckpt.fmt == "torch_dist":
+             "starts fresh)" if "optimizer" in ckpt.holds
+             else "no optimizer state (the source holds none: the optimizer starts fresh)"]
+    if "rng_state" in ckpt.holds:
         parts.append("RNG states")
     if not ckpt.vocab_known:
         parts.append("the tokenizer's own vocabulary size (Megatron-LM records the padded "

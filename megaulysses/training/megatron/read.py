@@ -57,6 +57,7 @@ class MegatronCheckpoint:
     common: dict[str, Any] = field(default_factory=dict)  # args, iteration, scheduler
     source_dtype: str = "float32"
     grid: dict[str, int] = field(default_factory=dict)  # tp, pp of a legacy save
+    holds: set[str] = field(default_factory=set)  # "optimizer", "rng": what it saved beside
 
 
 # -- torch_dist --------------------------------------------------------------------------
@@ -125,10 +126,14 @@ def _unstack(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def read_torch_dist(path: str) -> tuple[dict, dict, str]:
-    """(common state, Megatron tensors by per-layer name, stored dtype)."""
+    """(common state, Megatron tensors by per-layer name, stored dtype). The common state's
+    "holds" lists the non-model parts the checkpoint has (optimizer, rng)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     metadata = _dist_metadata(path)
-    common = _dist_common(path, metadata)
+    common = dict(_dist_common(path, metadata))
+    keys = metadata.state_dict_metadata
+    common["holds"] = {part for part in ("optimizer", "rng_state")
+                       if any(k.startswith(part) for k in keys)}
     wanted = {k: torch.empty(m.size, dtype=m.properties.dtype)
               for k, m in metadata.state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and k.startswith(MODEL_PREFIXES)}
@@ -203,6 +208,7 @@ def read_legacy(path: str) -> tuple[dict, dict, str, dict]:
             offset += count
             if not common:
                 common = {k: v for k, v in sd.items() if k not in ("model", "optimizer")}
+                common["holds"] = {k for k in ("optimizer", "rng_state") if sd.get(k)}
             for name, tensor in stage.items():
                 if p < pp - 1 or name != "output_layer.weight" or _untied(common):
                     shards.setdefault(name, [None] * tp)[t] = tensor
@@ -268,7 +274,8 @@ def read_megatron(path: str) -> MegatronCheckpoint:
         whole = {n: tp_merge(cfg, n, s) for n, s in shards.items()}
     check_shapes(cfg, whole, lambda name: iter_dir)
     state = {k: v.float() for k, v in from_megatron(cfg, whole).items()}
-    return MegatronCheckpoint(iter_dir, fmt, cfg, known, state, common, dtype, grid)
+    return MegatronCheckpoint(iter_dir, fmt, cfg, known, state, common, dtype, grid,
+                              common.pop("holds", set()))
 
 
 def read_common(iter_dir: str) -> dict:
