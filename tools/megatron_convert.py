@@ -88,10 +88,18 @@ def to_megatron(args: argparse.Namespace) -> str:
     print(f"wrote {args.save}: Megatron-LM {args.ckpt_format} checkpoint ({name}, {dtype}, "
           f"tp {tp} x pp {pp}) from {path}")
     extra = load_flags(iter_dir)
-    print(f"load it in Megatron-LM with --load {args.save} --use-checkpoint-args "
-          f"--ckpt-format {args.ckpt_format} --transformer-impl {args.transformer_impl}"
-          f"{' ' + extra if extra else ''}")
+    divisor = _divisor(os.path.join(args.save, name))
+    print(f"load it in Megatron-LM with: --load {args.save} --use-checkpoint-args "
+          f"--ckpt-format {args.ckpt_format} --transformer-impl {args.transformer_impl} "
+          f"--make-vocab-size-divisible-by {divisor}{' ' + extra if extra else ''}")
+    print(f"(at tp {tp} that divisor pads the vocabulary to this model's rows)")
     return args.save
+
+
+def _divisor(iter_dir: str) -> int:
+    """The --make-vocab-size-divisible-by the export's args record."""
+    from megaulysses.training.megatron.read import read_common
+    return int(read_common(iter_dir)["args"].make_vocab_size_divisible_by)
 
 
 def add_parsers(sub) -> None:

@@ -192,8 +192,11 @@ def _divisor_for(cfg: ModelConfig, tp: int) -> int:
     """--make-vocab-size-divisible-by D that makes Megatron-LM at tensor-parallel `tp` pad
     our vocabulary to our padded size: ceil(V / (D * tp)) * D * tp == padded."""
     padded = cfg.padded_vocab_size
-    for d in sorted({d for d in range(1, padded // tp + 1) if (padded // tp) % d == 0},
-                    reverse=True):
+    ours = [cfg.make_vocab_size_divisible_by // tp] if cfg.make_vocab_size_divisible_by % tp \
+        == 0 else []  # the run's own divisor where it splits: what its script said
+    divisors = sorted({d for d in range(1, padded // tp + 1) if (padded // tp) % d == 0},
+                      key=lambda d: (d & (d - 1) != 0 or d > 128, -d))  # 128, 64, ... first
+    for d in ours + divisors:
         if math.ceil(cfg.vocab_size / (d * tp)) * d * tp == padded:
             return d
     raise CheckpointError(f"--tensor-model-parallel-size: Megatron-LM at {tp} cannot pad "
