@@ -354,3 +354,22 @@ def test_exported_args_are_what_megatron_lm_records(exported):
             if key in ("hidden_dropout", "attention_dropout"):  # a model-only source: 0.1,
                 continue  # Megatron-LM's default (a training run's own are carried)
             assert ours[key] == getattr(theirs, key), (name, key, ours[key])
+
+
+def test_common_state_loads_with_weights_only(tmp_path):
+    """megatron-core >= 0.19 reads the common state with torch.load(weights_only=True) and
+    its safe globals (argparse.Namespace among them): our args hold nothing else."""
+    import argparse
+    from megaulysses.training.megatron.read import COMMON_KEY, _dist_load
+    from megaulysses.training.saver import write_model_checkpoint
+    cfg = ours_config("llama")
+    write_model_checkpoint(str(tmp_path / "ours"), random_state(cfg, 0), cfg.shape_dict())
+    rc, _, err = run_main(convert, "to-megatron", "--load", str(tmp_path / "ours"), "--save",
+                          str(tmp_path / "meg"))
+    assert rc == 0, err
+    state = {COMMON_KEY: io.BytesIO()}
+    _dist_load(str(tmp_path / "meg" / "release"), state)  # the raw bytes, as stored
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(state[COMMON_KEY], weights_only=True)[0]
+    assert common["args"].num_layers == 4 and common["iteration"] == 0
+    assert common["checkpoint_version"] == 3.0
