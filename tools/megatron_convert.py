@@ -26,20 +26,16 @@ def read_any(load: str) -> tuple[dict, dict, str]:
     one (read and converted in memory: to-hf and to-megatron take either)."""
     _exists(load, "--load")
     from megaulysses.training.megatron import is_megatron, read_megatron
-    from megaulysses.training.megatron.convert import origin
+    from megaulysses.training.megatron.convert import RUN_SETTINGS, imported_meta
     if not is_megatron(load):
         from megaulysses.training.checkpoint import find_checkpoint, read_model_checkpoint
         path = find_checkpoint(load)
         meta, state = read_model_checkpoint(path)
         return meta, state, path
     ckpt = read_megatron(load)
-    cfg = ckpt.cfg
-    run = {k: getattr(cfg, k) for k in ("hidden_dropout", "attention_dropout",
-                                        "init_method_std")}
-    meta = {"model": cfg.shape_dict(), "iteration": int(ckpt.common.get("iteration") or 0),
-            "converted_from": origin(ckpt), "args": {"model": run},
-            "consumed_train_samples": int(getattr(ckpt.common["args"],
-                                                  "consumed_train_samples", 0) or 0)}
+    meta = imported_meta(ckpt)  # + the run's settings where to-hf reads a run's
+    meta.update(model=ckpt.cfg.shape_dict(), args={"model": {
+        k: meta["converted_from"][k] for k in RUN_SETTINGS}})
     return meta, ckpt.state, ckpt.path
 
 
@@ -82,24 +78,19 @@ def to_megatron(args: argparse.Namespace) -> str:
                            else "float32")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     with staged(args.save) as out:
-        iter_dir = export_megatron(meta, state, out, args.ckpt_format, tp, pp,
-                                   args.megatron_common_pt, args.transformer_impl, dtype)
+        iter_dir, written = export_megatron(meta, state, out, args.ckpt_format, tp, pp,
+                                            args.megatron_common_pt, args.transformer_impl,
+                                            dtype)
     name = os.path.basename(iter_dir)
     print(f"wrote {args.save}: Megatron-LM {args.ckpt_format} checkpoint ({name}, {dtype}, "
           f"tp {tp} x pp {pp}) from {path}")
     extra = load_flags(iter_dir)
-    divisor = _divisor(os.path.join(args.save, name))
+    divisor = written.make_vocab_size_divisible_by
     print(f"load it in Megatron-LM with: --load {args.save} --use-checkpoint-args "
           f"--ckpt-format {args.ckpt_format} --transformer-impl {args.transformer_impl} "
           f"--make-vocab-size-divisible-by {divisor}{' ' + extra if extra else ''}")
     print(f"(at tp {tp} that divisor pads the vocabulary to this model's rows)")
     return args.save
-
-
-def _divisor(iter_dir: str) -> int:
-    """The --make-vocab-size-divisible-by the export's args record."""
-    from megaulysses.training.megatron.read import read_common
-    return int(read_common(iter_dir)["args"].make_vocab_size_divisible_by)
 
 
 def add_parsers(sub) -> None:

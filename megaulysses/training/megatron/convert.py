@@ -54,17 +54,23 @@ def origin(ckpt: MegatronCheckpoint) -> dict:
             **{k: getattr(ckpt.cfg, k) for k in RUN_SETTINGS}}
 
 
+def imported_meta(ckpt: MegatronCheckpoint) -> dict:
+    """trainer_state.json's entries for an imported Megatron-LM checkpoint (the model's
+    shape aside): where the run stood, its LR schedule, where it came from."""
+    args = ckpt.common["args"]
+    return {"iteration": int(ckpt.common.get("iteration", 0) or 0),
+            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "lr_schedule": _schedule(args), "converted_from": origin(ckpt)}
+
+
 def import_megatron(path: str, save_dir: str) -> tuple[MegatronCheckpoint, str]:
     """Read `path`, write our committed checkpoint into `save_dir`; (what was read, the
     checkpoint directory written)."""
     from megaulysses.training.saver import write_model_checkpoint
     ckpt = read_megatron(path)
-    args = ckpt.common["args"]
-    iteration = int(ckpt.common.get("iteration", 0) or 0)
-    extra = {"converted_from": origin(ckpt), "lr_schedule": _schedule(args),
-             "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0)}
+    extra = imported_meta(ckpt)
     done = write_model_checkpoint(save_dir, ckpt.state, ckpt.cfg.shape_dict(),
-                                  iteration=iteration, extra=extra)
+                                  iteration=extra.pop("iteration"), extra=extra)
     return ckpt, done
 
 
@@ -128,9 +134,10 @@ def _run_args(meta: dict) -> dict:
 
 def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: str, tp: int,
                     pp: int, common_pt: bool = False, impl: str = "transformer_engine",
-                    dtype: str = "float32") -> str:
+                    dtype: str = "float32") -> tuple[str, Any]:
     """Our whole-model `state` (trainer_state `meta`) -> a Megatron-LM save directory in
-    `out` (tracker + iter_* or release/); returns the iteration directory."""
+    `out` (tracker + iter_* or release/); returns the iteration directory and the args
+    written."""
     from megaulysses.training.checkpoint import model_config
     run = _run_args(meta) or meta.get("converted_from", {})  # dropout and init, if known
     cfg = model_config({**meta["model"], **{k: run[k] for k in RUN_SETTINGS if k in run}})
@@ -157,7 +164,7 @@ def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: s
                               "torch)")
     with open(os.path.join(out, write.TRACKER), "w") as f:
         f.write("release" if iteration == 0 else str(iteration))
-    return iter_dir
+    return iter_dir, args
 
 
 def load_flags(iter_dir: str) -> Optional[str]:

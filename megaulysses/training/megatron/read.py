@@ -267,7 +267,7 @@ def read_megatron(path: str) -> MegatronCheckpoint:
                               "ordering is not read here (re-save with Megatron-LM first)")
     names = set(whole) if fmt == "torch_dist" else set(shards)
     _check_foreign(names, iter_dir)
-    padded = _padded_vocab(whole if fmt == "torch_dist" else shards, args)
+    padded = _padded_vocab(whole if fmt == "torch_dist" else shards)
     cfg, known = margs.model_config(args, iter_dir, padded)
     _check_names(cfg, names, iter_dir)
     if fmt == "torch":
@@ -294,7 +294,7 @@ def read_model_config(iter_dir: str) -> ModelConfig:
     return margs.model_config(args, iter_dir, int(args.padded_vocab_size))[0]
 
 
-def _padded_vocab(tensors: dict, args: Any) -> int:
+def _padded_vocab(tensors: dict) -> int:
     emb = tensors.get("embedding.word_embeddings.weight")
     if emb is None:
         raise CheckpointError("embedding.word_embeddings.weight is missing")

@@ -127,7 +127,7 @@ def _local_name(name: str, layers: range, impl: str) -> str:
     return f"decoder.layers.{int(i) - layers.start}.{rest}"
 
 
-def _stage_names(cfg: ModelConfig, name: str, layers: range, first: bool, last: bool) -> bool:
+def _in_stage(name: str, layers: range, first: bool, last: bool) -> bool:
     if name.startswith("decoder.layers."):
         return int(name.split(".")[2]) in layers
     if name.startswith("embedding."):
@@ -139,7 +139,7 @@ def _stage_model(cfg: ModelConfig, meg: dict, t: int, tp: int, layers: range, fi
                  last: bool, impl: str) -> dict:
     model: dict[str, Any] = {}
     for name, whole in meg.items():
-        if _stage_names(cfg, name, layers, first, last):
+        if _in_stage(name, layers, first, last):
             model[_local_name(name, layers, impl)] = tp_split(cfg, name, whole, tp)[t]
     for i in range(len(layers)):
         for linear in LINEARS:
