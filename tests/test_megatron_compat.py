@@ -85,7 +85,7 @@ def test_no_effect_flags_parse_with_their_arity_and_are_logged_once(caplog):
     restated = [w for m in _table(REFUSED) for w in _values(m, restate=True)]
     for flag, value in SAME_HERE.items():
         restated += [flag, *(value if isinstance(value, list) else [value])]
-    cfg = parse_args(["--mock-data", *argv, *restated])
+    cfg = parse_args(["--mock-data", "--position-embedding-type", "rope", *argv, *restated])
     given = dict(cfg.compat.megatron_flags)
     assert set(given) == {m.flag for m in _table(NO_EFFECT)} | set(SAME_HERE) | {
         m.flag for m in _table(REFUSED) if _values(m, restate=True)}
@@ -184,3 +184,29 @@ def test_the_llama_scripts_fp8_flags_are_refused():
             add_help=False, allow_abbrev=False))
     assert e.value.flag.split("/") == ["--fp8-format", "--fp8-amax-history-len",
                                        "--fp8-amax-compute-algo", "--fp8-param-gather"]
+
+
+def test_a_deprecated_switch_is_accepted_beside_what_it_needs(capfd):
+    """--no-position-embedding (Megatron-LM: deprecated, still accepted with rope, a
+    RuntimeError otherwise): a fork's Llama script with rope runs; beside learned absolute
+    positions the run stops naming the contradiction, on the line pretrain_gpt prints."""
+    import pretrain_gpt
+    cfg = parse_args(["--mock-data", "--position-embedding-type", "rope",
+                      "--no-position-embedding"])
+    assert cfg.model.position_embedding_type == "rope"
+    assert dict(cfg.compat.megatron_flags) == {"--no-position-embedding": False}  # its dest
+    capfd.readouterr()
+    assert pretrain_gpt.main(["--mock-data", "--no-position-embedding"]) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "error: --no-position-embedding: Megatron-LM's deprecated switch needs "
+        "--position-embedding-type rope, contradicted by --position-embedding-type "
+        "learned_absolute (Megatron-LM stops too); use --position-embedding-type"]
+
+
+def test_refusal_line_says_megatron_lms_once():
+    """A reason that starts with "Megatron-LM's" is not prefixed again, alone or first."""
+    for argv in (["--use-legacy-models"], ["--use-legacy-models", "--num-experts", "8"]):
+        with pytest.raises(ConfigError) as e:
+            parse_args(["--mock-data", *argv])
+        assert "Megatron-LM's Megatron-LM's" not in str(e.value)
+        assert str(e.value).count("Megatron-LM's") == 1, str(e.value)

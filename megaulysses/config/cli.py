@@ -224,5 +224,6 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     preset = preset_for(given)
     if preset:
         cfg = apply_preset(cfg, preset, given)
+    megatron.check_needs(cfg)  # Megatron-LM's deprecated switches beside what they need
     validate(cfg)
     return cfg

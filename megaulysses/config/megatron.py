@@ -25,7 +25,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 from megaulysses.config.errors import ConfigError
-from megaulysses.config.megatron_table import FLAGS, GROUPS, NO_EFFECT, REFUSED, SAME_HERE
+from megaulysses.config.megatron_table import (FLAGS, GROUPS, NEEDS, NO_EFFECT, REFUSED,
+                                               SAME_HERE)
 
 ARGS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_args.json")
 DEST = "megatron:"  # the parser destination of a table flag: DEST + its flag
@@ -151,10 +152,29 @@ def refuse(given_flags: Sequence[tuple[str, Any]]) -> None:
     refused = [(flag, table_flags()[flag][2]) for flag, value in given_flags
                if table_flags()[flag][1] == REFUSED and not _asks_for_nothing(flag, value)]
     if len(refused) == 1:
-        raise ConfigError(refused[0][0], f"{refused[0][1]} (Megatron-LM's; not provided here)")
-    if refused:
-        raise ConfigError("/".join(f for f, _ in refused), "Megatron-LM's " + "; ".join(
-            f"{reason} ({flag})" for flag, reason in refused) + ": not provided here")
+        flag, reason = refused[0]
+        owner = "" if reason.startswith("Megatron-LM's") else "Megatron-LM's; "
+        raise ConfigError(flag, f"{reason} ({owner}not provided here)")
+    if refused:  # "Megatron-LM's" once, where the first reason does not start with it
+        reasons = "; ".join(f"{reason} ({flag})" for flag, reason in refused)
+        owner = "" if reasons.startswith("Megatron-LM's") else "Megatron-LM's "
+        raise ConfigError("/".join(f for f, _ in refused),
+                          f"{owner}{reasons}: not provided here")
+
+
+def check_needs(cfg: Any) -> None:
+    """ConfigError where a deprecated switch Megatron-LM still accepts (NEEDS) was given
+    beside a setting it contradicts: Megatron-LM stops there too. `cfg`: the Config after
+    presets, so the setting checked is the one the run uses."""
+    for flag, _ in cfg.compat.megatron_flags:
+        if flag not in NEEDS:
+            continue
+        section, name, needed, setting, instead = NEEDS[flag]
+        got = getattr(getattr(cfg, section), name)
+        if got != needed:
+            raise ConfigError(flag, f"Megatron-LM's deprecated switch needs {setting} "
+                              f"{needed}, contradicted by {setting} {got} (Megatron-LM stops "
+                              f"too); use {instead}")
 
 
 def refuse_first(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:

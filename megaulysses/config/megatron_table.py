@@ -84,8 +84,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--rotary-percent": (REFUSED, "rotary embeddings on part of the head dimension"),
     "--rotary-interleaved": (REFUSED, "interleaved rotary embeddings (rotate-half here)"),
     "--no-rope-freq": (REFUSED, "layers without RoPE"),
-    "--no-position-embedding": (REFUSED, "Megatron-LM's deprecated switch: use "
-                                         "--position-embedding-type"),
+    "--no-position-embedding": (NO_EFFECT, "Megatron-LM's deprecated switch: it needs "
+                                           "--position-embedding-type rope, under which it "
+                                           "changes nothing"),
     "--mrope-section": (REFUSED, "multimodal RoPE"),
     "--apply-residual-connection-post-layernorm": (REFUSED, "the post-norm residual order"),
     "--openai-gelu": (NO_EFFECT, "already so here: the GeLU is the tanh approximation; "
@@ -241,8 +242,6 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                    "speed only"),
     "--wgrad-deferral-limit": (NO_EFFECT, "when a weight gradient is computed: speed only"),
     "--no-align-grad-reduce": (NO_EFFECT, _OVERLAP),
-    "--ddp-num-buckets": (NO_EFFECT, _OVERLAP),
-    "--ddp-bucket-size": (NO_EFFECT, _OVERLAP),
     "--ddp-pad-buckets-for-high-nccl-busbw": (NO_EFFECT, _OVERLAP),
     "--ddp-reduce-scatter-with-fp32-accumulation": (REFUSED, "16-bit gradients summed in fp32 "
                                                              "inside the reduce-scatter"),
@@ -353,6 +352,14 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                    "and moments, the same math as here"),
     **{f: (REFUSED, "16-bit or 8-bit optimizer states, main weights or main grads") for f in (
         "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")},
+}
+
+# Deprecated switches Megatron-LM still accepts only beside a setting (its validate_args
+# stops otherwise): flag -> (config section, field, the value it needs, the flag setting
+# it, what to use instead). Given beside another value, the run stops naming both.
+NEEDS: dict[str, tuple[str, str, object, str, str]] = {
+    "--no-position-embedding": ("model", "position_embedding_type", "rope",
+                                "--position-embedding-type", "--position-embedding-type"),
 }
 
 # Values of refused flags that ask for what runs here anyway (Megatron-LM's own default
