@@ -11,8 +11,9 @@ tokenizer is, what our checkpoint stores of it, and the files to-hf writes back.
 from-hf takes the first that applies: --tokenizer-model (a directory or a .json file is a
 Hugging Face tokenizer, another file a SentencePiece model); tokenizer.model; GPT-2's
 vocab.json and merges.txt for a gpt2 model or a directory without tokenizer.json (a
-Qwen directory has all three, and its vocab.json is not GPT-2's); tokenizer.json; else
-none (a NullTokenizer checkpoint, with a warning).
+Qwen directory has all three, and its vocab.json is not GPT-2's) unless tokenizer.json is
+there and vocab.json lacks <|endoftext|> (an added token of tokenizer.json only);
+tokenizer.json; else none (a NullTokenizer checkpoint, with a warning).
 """
 
 from __future__ import annotations
@@ -51,11 +52,24 @@ def _choose(hf_dir: str, given: Optional[str], model_type: str) -> tuple:
             for name in (TOKENIZER_MODEL, TOKENIZER_JSON, *GPT2_FILES)}
     if here[TOKENIZER_MODEL]:
         return "sentencepiece", os.path.join(hf_dir, TOKENIZER_MODEL), None
-    if all(here[n] for n in GPT2_FILES) and (model_type == "gpt2" or not here[TOKENIZER_JSON]):
+    if all(here[n] for n in GPT2_FILES) and (model_type == "gpt2" or not here[TOKENIZER_JSON]) \
+            and (not here[TOKENIZER_JSON] or _has_gpt2_eod(os.path.join(hf_dir, "vocab.json"))):
         return "gpt2", hf_dir, None
     if here[TOKENIZER_JSON]:
         return "hf", hf_dir, None
     return None, None, None
+
+
+def _has_gpt2_eod(vocab: str) -> bool:
+    """Whether GPT-2's vocab.json holds <|endoftext|> (GPT2BPETokenizer's end of document).
+    A repository may keep it as an added token of tokenizer.json only: that one is read
+    then. An unreadable vocab.json says True (GPT2BPETokenizer's error names it)."""
+    from megaulysses.data.tokenizer import GPT2_EOD
+    try:
+        with open(vocab, encoding="utf-8") as f:
+            return GPT2_EOD in json.load(f)
+    except (OSError, ValueError):
+        return True
 
 
 def import_tokenizer(hf_dir: str, given: Optional[str], model_type: str, hf_vocab: int,

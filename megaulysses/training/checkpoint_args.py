@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 from megaulysses.config import ModelConfig
 from megaulysses.training import checkpoint as ckpt
-from megaulysses.training.load_rules import ROPE_KEYS
+from megaulysses.config import MASK_FIELDS
+from megaulysses.training.load_rules import ROPE_KEYS, saved_mask
 from megaulysses.training.megatron.detect import find_iteration_dir
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,10 @@ def fields_of(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def free_keys(cfg: ModelConfig) -> set[str]:
-    """What a run may change at --load (load_rules says why)."""
+    """What a run may change at --load (load_rules says why; a mask flag given is logged
+    there as a deliberate change of the attention)."""
     rope = set(ROPE_KEYS) if cfg.position_embedding_type == "rope" else set()
-    return {"seq_length", "hidden_dropout", "attention_dropout"} | rope
+    return {"seq_length", "hidden_dropout", "attention_dropout", *MASK_FIELDS} | rope
 
 
 def model_fields(load: str, save: Optional[str] = None) -> tuple[dict[str, Any], str, set[str]]:
@@ -56,4 +58,5 @@ def _read(path: str) -> tuple[dict[str, Any], str]:
     # a training run's dropout, or the one a Megatron-LM import recorded
     run = meta.get("args", {}).get("model", meta.get("converted_from", {}))
     dropout = {k: run[k] for k in ("hidden_dropout", "attention_dropout") if k in run}
-    return {**fields_of(cfg), **dropout}, path
+    mask = saved_mask(meta) or {}  # the window and sparsity it was trained or imported with
+    return {**fields_of(cfg), **dropout, **mask}, path

@@ -10,6 +10,15 @@ errors (exit 2). What no weight depends on may change, and a change is logged on
   recipe (continue a 8K model at 64K with a larger theta). The new checkpoint records the
   new values (it saves this run's ModelConfig.shape_dict()).
 
+The attention mask (`--window-size`, `--attention-sparsity` and its block settings) is no
+weight's shape, but it is part of the model's function: a model trained or imported with a
+window is another function under full causal attention. A checkpoint records it (a run's
+flags in "args", an import's window in "converted_from"); check_mask compares it with the
+run's (mask_of). A mask left at its default where the checkpoint has another is an error
+(a forgotten flag would train another model silently); one given explicitly is logged (a
+deliberate change, e.g. a longer window); one that attends alike at this --seq-length (a
+window of --seq-length tokens or more is full causal) is logged too.
+
 A key missing from an older checkpoint's "model" entry has the value ModelConfig's field
 default had when that checkpoint was written: the defaults of shape fields never change.
 """
@@ -21,6 +30,7 @@ import logging
 from typing import Optional
 
 from megaulysses.config import CheckpointError, ModelConfig
+from megaulysses.config.schema import MASK_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +50,79 @@ def _field_defaults() -> dict:
             if f.default is not dataclasses.MISSING}
 
 
+# Shape keys whose flag is not "--" + the key
+FLAG_OF_KEY = {"bias_gelu_fusion": "the tanh GeLU of --bias-gelu-fusion (off: "
+                                   "--no-bias-gelu-fusion or --disable-bias-linear)"}
+
+
 def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
+    return FLAG_OF_KEY.get(key, "--" + key.replace("_", "-"))
+
+
+def mask_of(cfg: ModelConfig) -> dict:
+    """The run's attention mask settings, as a checkpoint records them."""
+    return {k: getattr(cfg, k) for k in MASK_FIELDS}
+
+
+def saved_mask(saved: dict) -> Optional[dict]:
+    """The mask a checkpoint was trained with (a run's flags) or imported with (from-hf's
+    window); None where it is not known (a Megatron-LM import, older conversions)."""
+    defaults = _field_defaults()
+    run = saved.get("args", {}).get("model")
+    if run is not None:
+        return {k: run.get(k, defaults[k]) for k in MASK_FIELDS}
+    origin = saved.get("converted_from", {})
+    if "window_size" in origin:  # a Hugging Face model: dense, perhaps a sliding window
+        return {**{k: defaults[k] for k in MASK_FIELDS}, "window_size": origin["window_size"]}
+    return None
+
+
+def _mask_keys(mask: dict) -> tuple:
+    """The settings the mask depends on: the block settings only under their layout."""
+    kind = mask["attention_sparsity"]
+    blocks = {"dense": (), "fixed": ("sparse_block_size", "sparse_local_blocks",
+                                     "sparse_global_blocks")}.get(kind, MASK_FIELDS[2:])
+    return ("window_size", "attention_sparsity", *blocks)
+
+
+def _effective(mask: dict, seq_length: int) -> dict:
+    """What the mask attends at this length: a window of seq_length or more is none."""
+    window = mask["window_size"]
+    out = {k: mask[k] for k in _mask_keys(mask)}
+    out["window_size"] = None if window is None or window >= seq_length else window
+    return out
+
+
+def _flags(mask: dict, keys) -> str:
+    return " ".join(f"{_flag(k)} {'none' if mask[k] is None else mask[k]}" for k in keys)
+
+
+def check_mask(path: str, saved: dict, now: dict, seq_length: int) -> None:
+    """Error (exit 2, naming the flag) where this run would attend otherwise than the
+    checkpoint's model with a mask flag left at its default; logged where it was given."""
+    was = saved_mask(saved)
+    if was is None:
+        return
+    keys = [k for k in _mask_keys(was) if was[k] != now[k]]  # what rebuilds the saved mask
+    if not keys:  # at most settings of a layout neither uses differ
+        return
+    if _effective(was, seq_length) == _effective(now, seq_length):
+        log.warning("%s was trained with %s; this run has %s, which attends alike at "
+                    "--seq-length %d (the checkpoints it saves record it)", path,
+                    _flags(was, keys), _flags(now, keys), seq_length)
+        return
+    defaults = _field_defaults()
+    silent = [k for k in keys if now[k] == defaults[k]]
+    if silent:
+        hint = (f"; to drop the window on purpose, --window-size {seq_length} (full causal at "
+                f"--seq-length {seq_length})" if silent == ["window_size"] else "")
+        raise CheckpointError(
+            f"{_flag(silent[0])}: {path} was trained with {_flags(was, keys)} but this run "
+            f"has {_flags(now, keys)}, another attention mask: pass {_flags(was, keys)} "
+            f"(or --use-checkpoint-args){hint}")
+    log.warning("%s was trained with %s; this run attends with %s (given: a different "
+                "attention mask from here on, recorded in the checkpoints it saves)", path,
+                _flags(was, keys), _flags(now, keys))
 
 
 def check_meta(path: str, saved: dict, expect: dict) -> None:
@@ -67,6 +148,8 @@ def check_meta(path: str, saved: dict, expect: dict) -> None:
     # A Megatron-LM import records the padded vocabulary only (not its tokenizer's size)
     known = saved.get("converted_from", {}).get("vocab_size_known", True)
     _check_vocab(path, shape, saved.get("tokenizer"), expect, known)
+    if "mask" in expect:
+        check_mask(path, saved, expect["mask"], expect["model"]["seq_length"])
     if rope:
         log_position_changes(path, saved_value, expect["model"])
 

@@ -14,6 +14,7 @@ from megaulysses.config.schedule import global_batch_at
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.training import checkpoint as ckpt
 from megaulysses.training import faults, megatron
+from megaulysses.training.load_rules import mask_of
 from megaulysses.training.metrics import MetricsWriter, flops_per_iteration, peak_tflops
 from megaulysses.training.optim import LossScaler, LRSchedule, lr_bounds, set_lr
 from megaulysses.training.profiling import StepProfiler
@@ -85,7 +86,8 @@ class Trainer:
         if path is None:
             return
         expect = {"model": cfg.model.shape_dict(),
-                  "tokenizer": ckpt.tokenizer_meta(cfg, self.tokenizer.vocab_size)}
+                  "tokenizer": ckpt.tokenizer_meta(cfg, self.tokenizer.vocab_size),
+                  "mask": mask_of(cfg.model)}  # the attention mask it was trained with
         imported = megatron.is_megatron(path)
         if imported:  # converted by rank 0 into our format, read by all, then removed
             path = megatron.import_for_run(path, t.save, self.rank, self.comm)
