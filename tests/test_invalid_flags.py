@@ -239,6 +239,10 @@ INVALID = [
     # left out: tests/training/test_save_options.py)
     row("num-workers-neg", ["--num-workers", "-1"], "--num-workers", "must be >= 0"),
     row("num-workers-not-int", ["--num-workers", "two"], "--num-workers", "invalid"),
+    row("dataloader-external", ["--dataloader-type", "external"], "--dataloader-type",
+        "not provided here"),
+    row("dataloader-choice", ["--dataloader-type", "random"], "--dataloader-type",
+        "invalid choice"),
     row("timeout-0", ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes",
         "must be > 0"),
     row("timeout-nan", ["--distributed-timeout-minutes", "nan"],
@@ -789,6 +793,8 @@ ALONE = {
     "--no-save-optim": ["--save", "runs/ck"],
     "--no-save-rng": ["--save", "runs/ck"],
     "--num-workers": ["2"],
+    "--dataloader-type": ["cyclic"],  # issue 39: Megatron-LM's cyclic sampler
+    "--no-data-sharding": ["--dataloader-type", "cyclic"],
     # issue 28: schedule
     "--train-samples": ["64"],
     "--lr-decay-samples": ["48", "--train-samples", "64"],

@@ -158,7 +158,6 @@ FLAGS: dict[str, tuple[str, str]] = {
         "--no-pin-cpu-grads", "--no-pin-cpu-params")},
     "--dump-param-to-param-group-map": (NO_EFFECT, "Megatron-LM's parameter-group map file "
                                                    "is not written here"),
-    "--dataloader-type": (REFUSED, "cyclic or external data loaders"),
     "--no-async-tensor-model-parallel-allreduce": (NO_EFFECT, "ignored by Megatron-LM too"),
     "--use-legacy-models": (REFUSED, "Megatron-LM's legacy model classes"),
     "--manual-gc-interval": (NO_EFFECT, _GC),
@@ -365,6 +364,5 @@ NEEDS: dict[str, tuple[str, str, object, str, str]] = {
 # Values of refused flags that ask for what runs here anyway (Megatron-LM's own default
 # values are accepted too): accepted and logged.
 SAME_HERE: dict[str, object] = {
-    "--dataloader-type": "single",
     "--recompute-modules": ["core_attn"],
 }

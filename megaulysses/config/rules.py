@@ -259,6 +259,8 @@ def _validate_data(d: DataConfig):
             raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip()) from None
     _validate_tokenizer(d)
     require(d.num_workers >= 0, "--num-workers", f"must be >= 0, got {d.num_workers}")
+    require(d.dataloader_type != "external", "--dataloader-type", "external: Megatron-LM's "
+            "pass-through of a user's own data loader is not provided here (single or cyclic)")
 
 
 def _validate_tokenizer(d: DataConfig):

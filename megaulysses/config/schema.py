@@ -220,6 +220,15 @@ class DataConfig:
     num_workers: int = option(
         0, "worker processes that build the training batches ahead of the steps (0: built in "
         "the training process); the batches are the same either way", kind="int")
+    dataloader_type: str = option(
+        "single", "single: samples in the dataset's order (its own shuffle); cyclic: "
+        "Megatron-LM's random sampler, every epoch of the dataset reshuffled with the epoch "
+        "number as seed (resumes exactly mid-epoch); external is Megatron-LM's pass-through "
+        "of a user's loader, not provided", choices=("single", "cyclic", "external"))
+    data_sharding: bool = option(
+        True, "--dataloader-type cyclic: one permutation over all samples, each data-parallel "
+        "rank taking every dp-th (default: each rank shuffles its own contiguous shard, as "
+        "Megatron-LM)", names=("--no-data-sharding",), action="store_false")
 
 
 @dataclass(frozen=True)

@@ -41,16 +41,64 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
+class CyclicOrder:
+    """Megatron-LM's --dataloader-type cyclic (its MegatronPretrainingRandomSampler): the
+    dataset is read in epochs of `active` samples (whole steps of mbs x dp), each epoch in
+    a new order, a torch.randperm seeded with the epoch number. With data sharding (its
+    default) rank r owns samples [r*bucket, (r+1)*bucket) and reads them in the epoch's
+    permutation of the bucket; without, all ranks share one permutation of the samples,
+    rank r taking every dp-th. A pure function of the consumed-sample count: a resume
+    mid-epoch reads what the uninterrupted run reads."""
+
+    def __init__(self, total: int, micro_batch_size: int, dp_size: int, sharding: bool = True):
+        step = micro_batch_size * dp_size  # samples one micro-step consumes on all ranks
+        if total < step:
+            raise ValueError(f"--dataloader-type cyclic: the split has {total} samples, fewer "
+                             f"than one micro-step needs ({micro_batch_size} x {dp_size} dp)")
+        self.mbs, self.dp, self.step, self.sharding = micro_batch_size, dp_size, step, sharding
+        self.active = total - total % step  # the partial last step is never read
+        # the permuted range: a rank's bucket, or every whole micro-batch
+        self.span = total // step * micro_batch_size if sharding else \
+            total // micro_batch_size * micro_batch_size
+        self._perm: tuple[int, Optional[np.ndarray]] = (-1, None)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The epoch's order of the span (one cached: epochs are read in turn)."""
+        if self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(epoch)
+            self._perm = (epoch, torch.randperm(self.span, generator=g).numpy())
+        return self._perm[1]
+
+    def micro_batch(self, consumed: int, dp_rank: int) -> np.ndarray:
+        """`[mbs]` sample indices of `dp_rank`'s micro-batch in the micro-step that starts
+        after `consumed` samples (a multiple of mbs x dp)."""
+        assert consumed % self.step == 0, (consumed, self.step)
+        epoch, within = divmod(consumed, self.active)
+        perm = self.permutation(epoch)
+        if self.sharding:  # this rank's bucket, read from its share of the epoch so far
+            start = within // self.dp
+            return dp_rank * self.span + perm[start:start + self.mbs]
+        return perm[within + dp_rank:within + self.step:self.dp]
+
+    def __getstate__(self) -> dict:  # worker processes rebuild the cached permutation
+        return {**self.__dict__, "_perm": (-1, None)}
+
+
 class BatchBuilder:
     """`positions`: the positions of a sample this rank keeps (its sequence-parallel
-    slice: parallel.ring.local_positions); None keeps the whole sample."""
+    slice: parallel.ring.local_positions); None keeps the whole sample. `cyclic`:
+    Megatron-LM's --dataloader-type cyclic (CyclicOrder; `data_sharding` its
+    --no-data-sharding); otherwise samples are read in order (its single)."""
 
     def __init__(self, dataset: Samples, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, positions: Optional[torch.Tensor] = None,
                  eod: Optional[int] = None, eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, reset_attention_mask: bool = False):
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 cyclic: bool = False, data_sharding: bool = True):
         per_rank = global_batch_size // dp_size
         assert per_rank * dp_size == global_batch_size and per_rank % micro_batch_size == 0
+        self.order = CyclicOrder(len(dataset), micro_batch_size, dp_size,
+                                 data_sharding) if cyclic else None
         self.dataset = dataset
         self.mbs, self.gbs = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -64,11 +112,18 @@ class BatchBuilder:
                       global_batch: Optional[int] = None) -> list[dict]:
         """This rank's micro-batches of the global batch starting at `consumed_samples`, of
         `global_batch` samples (a batch ramp-up's; default: the builder's)."""
+        return [self.collate([self.dataset[int(i)] for i in row])
+                for row in self.indices(consumed_samples, global_batch)]
+
+    def indices(self, consumed_samples: int, global_batch: Optional[int] = None) -> np.ndarray:
+        """`[micro-batches, mbs]` the sample indices micro_batches reads."""
         gbs = global_batch or self.gbs
+        step = self.dp_size * self.mbs
+        if self.order is not None:
+            return np.stack([self.order.micro_batch(c, self.dp_rank)
+                             for c in range(consumed_samples, consumed_samples + gbs, step)])
         idx = np.arange(consumed_samples, consumed_samples + gbs) % len(self.dataset)
-        idx = idx.reshape(gbs // (self.dp_size * self.mbs), self.dp_size, self.mbs)
-        idx = idx[:, self.dp_rank]
-        return [self.collate([self.dataset[int(i)] for i in row]) for row in idx]
+        return idx.reshape(gbs // step, self.dp_size, self.mbs)[:, self.dp_rank]
 
     def close(self) -> None:
         """Nothing to stop: batches are built when asked for (workers.WorkerBatches has

@@ -173,6 +173,7 @@ def _build_data(cfg: RunConfig, rank: int, comm: Comm,
             ds, t.micro_batch_size, t.global_batch_size, dp_rank=comm.rank(DP), dp_size=d.dp,
             positions=positions, eod=tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
             reset_position_ids=data.reset_position_ids,
-            reset_attention_mask=data.reset_attention_mask)
+            reset_attention_mask=data.reset_attention_mask,
+            cyclic=data.dataloader_type == "cyclic", data_sharding=data.data_sharding)
     train, valid, test = (builder(ds) for ds in splits)
     return with_workers(train, data.num_workers), valid, test
