@@ -723,6 +723,8 @@ ALONE = {
     "--cross-entropy-loss-fusion": [],
     "--overlap-grad-reduce": [],
     "--overlap-param-gather": ["--use-distributed-optimizer"],
+    "--ddp-bucket-size": ["1000000", "--use-distributed-optimizer"],
+    "--ddp-num-buckets": ["4", "--use-distributed-optimizer"],
     "--manual-gc": [],
     "--log-throughput": [],
     "--distributed-backend": ["gloo"],

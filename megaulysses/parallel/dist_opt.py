@@ -40,7 +40,8 @@ import torch
 from megaulysses.config import RunConfig
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
-from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets, _storage_bytes
+from megaulysses.parallel.grad_reduce import (BUCKET_BYTES, RowShard, _local, _make_buckets,
+                                              _storage_bytes)
 from megaulysses.parallel.offload import HostState
 from megaulysses.parallel.zero import ShardedAdamW
 
@@ -103,6 +104,27 @@ def _gather_into(flat: torch.Tensor, slots: torch.Tensor) -> None:
         flat[:full * n].view(full, n).copy_(slots[:full])
     if rest:
         flat[full * n:].copy_(slots[full, :rest])
+
+
+_WAITING: dict = {}  # module class -> its subclass whose weight reads wait (`attach`)
+
+
+def _waiting_class(cls: type) -> type:
+    """`cls` whose attribute reads of a parameter first finish that parameter's pending
+    all-gather (the owner's `_gathers`, a DistributedOptimizer): same name, same behaviour."""
+    if cls in _WAITING.values():
+        return cls
+    if cls not in _WAITING:
+        def __getattr__(self, name: str):
+            value = cls.__getattr__(self, name)  # parameters, buffers, submodules
+            gathers = self.__dict__["_gathers"]
+            if gathers.pending:
+                gathers.wait_for((value,))
+            return value
+        _WAITING[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__,
+                                                    "__qualname__": cls.__qualname__,
+                                                    "__module__": cls.__module__})
+    return _WAITING[cls]
 
 
 class DistributedOptimizer(ShardedAdamW):
@@ -267,16 +289,20 @@ class DistributedOptimizer(ShardedAdamW):
         self.pending = False
 
     def attach(self, model: torch.nn.Module) -> None:
-        """--overlap-param-gather: every module that holds weights waits, before its
-        forward, for its buckets' gathers only; the gathers run until then."""
+        """--overlap-param-gather: the first read of a weight, wherever the model reads it,
+        finishes its bucket's gather (that bucket's only); the gathers run until then.
+
+        Not a module pre-hook: the head's loss reads `output.weight` (or the tied
+        `embed.word.weight`) without calling that module. Every read of a parameter goes
+        through its module's attribute (parameters live in `_parameters`, so
+        `nn.Module.__getattr__` serves each `module.weight`): each module holding weights
+        gets a subclass of its class whose `__getattr__` waits first, as torch's own
+        parametrize and FSDP2 extend a module's class."""
         self.deferred = True
-        uses = {m: list(m.parameters(recurse=False)) for m in model.modules()}
-        head, embed = getattr(model, "head", None), getattr(model, "embed", None)
-        if head is not None and head.output is None and embed is not None:
-            uses[head.norm].append(embed.word.weight)  # the tied output layer, used next
-        for m, own in uses.items():
-            if own:
-                m.register_forward_pre_hook(lambda _m, _a, own=own: self.wait_for(own))
+        for m in model.modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                m.__class__ = _waiting_class(type(m))
+                m.__dict__["_gathers"] = self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -312,6 +338,18 @@ class DistributedOptimizer(ShardedAdamW):
         optim += sum(_storage_bytes(v, seen) for state in self.inner.state.values()
                      for v in state.values() if isinstance(v, torch.Tensor))
         return {"grads": grads, "optim": optim, **({"host": host} if self.host.params else {})}
+
+
+def bucket_bytes(par, params: list) -> int:
+    """Bytes of 16-bit weights per bucket (`_make_buckets` closes a bucket once it holds
+    this many): Megatron-LM's --ddp-num-buckets (this rank's parameters // it, each bucket)
+    over --ddp-bucket-size (parameters), else BUCKET_BYTES."""
+    if par.ddp_num_buckets is not None:
+        numel = sum(_local(p).numel() for p in params) // par.ddp_num_buckets
+        return 2 * max(numel, 1)
+    if par.ddp_bucket_size is not None:
+        return 2 * par.ddp_bucket_size
+    return BUCKET_BYTES
 
 
 def describe(cfg: RunConfig) -> str:

@@ -45,7 +45,7 @@ from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dist_opt import DistributedOptimizer
+from megaulysses.parallel.dist_opt import DistributedOptimizer, bucket_bytes
 from megaulysses.parallel.grad_reduce import BUCKET_BYTES
 from megaulysses.parallel.head_groups import apply_head_groups
 from megaulysses.parallel.dims import DP_SP, PP, TP
@@ -114,7 +114,8 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     offload = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
-                       (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather)
+                       (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather,
+                       bucket_bytes(par, list(model.parameters())))
     return Parallelized(model, pipeline, zero, zero_stage)
 
 
@@ -163,10 +164,12 @@ def _micro_shape(cfg: RunConfig, dtype: torch.dtype) -> tuple:
 
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
                 groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype],
-                offload: tuple = (None, False), overlap_gather: bool = False) -> Zero:
+                offload: tuple = (None, False), overlap_gather: bool = False,
+                bucket: int = BUCKET_BYTES) -> Zero:
     """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
     in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage);
-    `offload`: its (host fraction or None, overlapped copies) (offload.py)."""
+    `offload`: its (host fraction or None, overlapped copies) (offload.py); `bucket`: its
+    bytes of 16-bit weights per bucket (--ddp-bucket-size, --ddp-num-buckets)."""
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
     align = None
     if comm.size(TP) > 1:
@@ -174,8 +177,8 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
         align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
     own = None
     if dist_opt is not None:
-        own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype, BUCKET_BYTES,
-                                   make_optimizer, align, *offload)
+        own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype,
+                                   bucket, make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph
             model.embed.word.weight.grad_sink = own.take
         if overlap_gather:
