@@ -176,6 +176,9 @@ INVALID = [
     row("hf-special-tokens-other-type", ["--tokenizer-hf-include-special-tokens"],
         "--tokenizer-hf-include-special-tokens", "only used with --tokenizer-type "
         "HuggingFaceTokenizer"),
+    row("hf-no-special-tokens-other-type", ["--tokenizer-hf-no-include-special-tokens"],
+        "--tokenizer-hf-no-include-special-tokens", "only used with --tokenizer-type "
+        "HuggingFaceTokenizer"),
     row("vocab-smaller-than-data", NULL_TOK + ["1000"], "--vocab-size", "token id"),
     # ---- training and its schedule
     row("lr-neg", ["--lr", "-1e-3"], "--lr", "must be >= 0"),
@@ -770,6 +773,8 @@ ALONE = {
                        "hf/llama3"],
     "--tokenizer-hf-include-special-tokens": ["--tokenizer-type", "HuggingFaceTokenizer",
                                               "--tokenizer-model", "hf/llama3"],
+    "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "HuggingFaceTokenizer",
+                                                 "--tokenizer-model", "hf/llama3"],
     # issue 28: tokenizer
     "--vocab-file": ["gpt2/vocab.json", "--tokenizer-type", "GPT2BPETokenizer", "--merge-file",
                      "gpt2/merges.txt"],

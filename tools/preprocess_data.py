@@ -5,7 +5,9 @@
 
 (or --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt, or
 --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR_OR_tokenizer.json: --append-eod
-then appends the tokenizer's eos, or --eod-token-id)
+then appends the tokenizer's eos, or --eod-token-id; its special tokens, e.g. Llama 3's
+<|begin_of_text|>, start every document, as in Megatron-LM's, unless
+--tokenizer-hf-no-include-special-tokens)
 
 Each json line is one document; every key in --json-keys gives its own
 dataset ``<output-prefix>_<key>_document`` (Megatron's naming).  Documents
@@ -169,8 +171,11 @@ def preprocess(input_path: str, output_prefix: str, json_keys: list[str], tokeni
                tokenizer_model: str | None = None, vocab_size: int | None = None,
                append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
                vocab_file: str | None = None, merge_file: str | None = None,
-               eod_token_id: int | None = None, include_special_tokens: bool = False) -> dict:
+               eod_token_id: int | None = None,
+               include_special_tokens: bool | None = None) -> dict:
     """Tokenize input_path; returns {output dataset prefix: (documents, tokens)}.
+    `include_special_tokens`: HuggingFaceTokenizer's special tokens (None: not given, so
+    included, as Megatron-LM's preprocess_data.py does; False: the text's ids only).
 
     Raises InputError for bad input; nothing is left under the final names then.
     """
@@ -233,9 +238,16 @@ def parse_args(argv=None):
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
     p.add_argument("--eod-token-id", type=int, default=None,
                    help="HuggingFaceTokenizer: the end-of-document id (default: its eos)")
-    p.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: add the tokenizer's special tokens (e.g. Llama "
-                        "3's <|begin_of_text|>) to every document")
+    special = p.add_mutually_exclusive_group()  # dest None: not given (included)
+    special.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_const",
+                         const=False, dest="include_special_tokens",
+                         help="HuggingFaceTokenizer: the text's ids only (default, as "
+                              "Megatron-LM's: the tokenizer's special tokens are added, e.g. "
+                              "Llama 3's <|begin_of_text|> before every document)")
+    special.add_argument("--tokenizer-hf-include-special-tokens", action="store_const",
+                         const=True, dest="include_special_tokens",
+                         help="HuggingFaceTokenizer: add them (the default; kept for older "
+                              "commands)")
     p.add_argument("--append-eod", action="store_true", help="end every document with eod")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-interval", type=int, default=1000,
@@ -249,7 +261,7 @@ def main(argv=None) -> int:
         results = preprocess(args.input, args.output_prefix, args.json_keys, args.tokenizer_type,
                              args.tokenizer_model, args.vocab_size, args.append_eod,
                              args.workers, args.log_interval, args.vocab_file, args.merge_file,
-                             args.eod_token_id, args.tokenizer_hf_include_special_tokens)
+                             args.eod_token_id, args.include_special_tokens)
     except (InputError, OSError) as e:
         print(f"preprocess_data.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -278,9 +278,10 @@ def _validate_tokenizer(d: DataConfig):
     # (the default --tokenizer-model is the bundled SentencePiece model, no tokenizer.json)
     require(not hf or d.tokenizer_model not in (None, BUNDLED_TOKENIZER), "--tokenizer-model",
             "required with HuggingFaceTokenizer: a directory holding tokenizer.json, or the file")
+    special = d.tokenizer_hf_include_special_tokens  # None: not given
     for flag, given in (("--eod-token-id", d.eod_token_id is not None),
-                        ("--tokenizer-hf-include-special-tokens",
-                         d.tokenizer_hf_include_special_tokens)):
+                        ("--tokenizer-hf-" + ("" if special else "no-") +
+                         "include-special-tokens", special is not None)):
         require(hf or not given, flag, "is only used with --tokenizer-type "
                 f"HuggingFaceTokenizer (this run's is {d.tokenizer_type})")
     require(d.eod_token_id is None or d.eod_token_id >= 0, "--eod-token-id",

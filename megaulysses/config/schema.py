@@ -203,10 +203,13 @@ class DataConfig:
     eod_token_id: Optional[int] = option(
         None, "HuggingFaceTokenizer: the end-of-document id; default: the tokenizer's eos "
         "token (tokenizer_config.json's eos_token)", kind="int")
-    tokenizer_hf_include_special_tokens: bool = option(
-        False, "HuggingFaceTokenizer: tokenize with the tokenizer's special tokens (its "
-        "post-processor's, e.g. Llama 3's <|begin_of_text|> before every document); default: "
-        "the text's ids only", action="store_true")
+    tokenizer_hf_include_special_tokens: Optional[bool] = option(  # None: not given
+        None, "HuggingFaceTokenizer: tokenize with the tokenizer's special tokens (its "
+        "post-processor's, e.g. Llama 3's <|begin_of_text|> before every document): the "
+        "default, as Megatron-LM's", action="store_const", const=True, after=(Flag(
+            "HuggingFaceTokenizer: the text's ids only, without the tokenizer's special "
+            "tokens (default: with them)", names=("--tokenizer-hf-no-include-special-tokens",),
+            action="store_const", const=False),))
     vocab_size: Optional[int] = option(
         None, "NullTokenizer: ids are below this (the end-of-document id is this one); other "
         "tokenizers set the vocabulary themselves", kind="positive")

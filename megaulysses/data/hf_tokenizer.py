@@ -45,8 +45,10 @@ def hf_tokenizer_files(path: str) -> dict[str, str]:
 
 class HuggingFaceTokenizer(Tokenizer):
     """`path`: --tokenizer-model; `eod_token_id`: --eod-token-id (None: the eos);
-    `include_special_tokens`: --tokenizer-hf-include-special-tokens, the tokenizer's
-    post-processor adds its special tokens (Llama 3's <|begin_of_text|>) to each text.
+    `include_special_tokens`: the tokenizer's post-processor adds its special tokens
+    (Llama 3's <|begin_of_text|>) to each text, as transformers' tokenizer(text) does. The
+    flags' default, as Megatron-LM's (build_tokenizer); False here, for callers that want
+    the text's ids alone; --tokenizer-hf-no-include-special-tokens.
 
     vocab_size: the largest id + 1, added tokens included (the embedding holds every id);
     eod, eos, bos: ids (eos and bos None where the files name none); files: the files a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, SupportsInt
+from typing import Iterable, Optional, SupportsInt
 
 from megaulysses.data.tokenizer_base import Tokenizer  # the interface, here as before
 
@@ -155,20 +155,24 @@ class NullTokenizer(Tokenizer):
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
                     vocab_size: int | None = None, vocab_file: str | None = None,
                     merge_file: str | None = None, eod_token_id: int | None = None,
-                    include_special_tokens: bool = False) -> Tokenizer:
+                    include_special_tokens: Optional[bool] = None) -> Tokenizer:
     """Build a tokenizer from the command-line flags.
 
     Flags a type does not use are ignored (the trainer passes its defaults along), except
     HuggingFaceTokenizer's own: `eod_token_id` (--eod-token-id) and `include_special_tokens`
-    (--tokenizer-hf-include-special-tokens) given to another type are an error.
+    (--tokenizer-hf-[no-]include-special-tokens; None: not given, Megatron-LM's default of
+    including them) given to another type are an error.
     """
     if tokenizer_type == "HuggingFaceTokenizer":
         from megaulysses.data.hf_tokenizer import HuggingFaceTokenizer  # needs `tokenizers`
         if not tokenizer_model:
             raise ValueError("--tokenizer-model: required for HuggingFaceTokenizer")
-        return HuggingFaceTokenizer(tokenizer_model, eod_token_id, include_special_tokens)
+        return HuggingFaceTokenizer(tokenizer_model, eod_token_id,
+                                    include_special_tokens is not False)
+    special = "--tokenizer-hf-" + ("" if include_special_tokens else "no-") + \
+        "include-special-tokens"
     for flag, given in (("--eod-token-id", eod_token_id is not None),
-                        ("--tokenizer-hf-include-special-tokens", include_special_tokens)):
+                        (special, include_special_tokens is not None)):
         if given:  # another type would ignore it: a run that silently means something else
             raise ValueError(f"{flag}: is only used with --tokenizer-type HuggingFaceTokenizer")
     if tokenizer_type == "SentencePieceTokenizer":
