@@ -794,6 +794,8 @@ ALONE = {
     "--wandb-project": ["p", "--wandb-exp-name", "e", "--save", "runs/ck"],
     "--wandb-exp-name": ["e", "--wandb-project", "p", "--save", "runs/ck"],
     "--wandb-save-dir": ["runs/wandb", "--wandb-project", "p", "--wandb-exp-name", "e"],
+    "--wandb-entity": ["team", "--wandb-project", "p", "--wandb-exp-name", "e", "--save",
+                       "runs/ck"],
     # issue 28: loss, checkpoint and loader
     "--calculate-per-token-loss": [],
     "--apply-layernorm-1p": [],

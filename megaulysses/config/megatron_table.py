@@ -325,7 +325,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--log-validation-ppl-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
     "--log-memory-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
     "--log-world-size-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
-    "--wandb-entity": (NO_EFFECT, "the wandb run goes to the default entity of its API key"),
     "--logging-level": (NO_EFFECT, "the log level here: INFO on rank 0, warnings elsewhere"),
     # inference: the CUDA-graph flags concern training too
     "--enable-cuda-graph": (NO_EFFECT, _CUDA_GRAPH),

@@ -63,6 +63,9 @@ class LogConfig:
     wandb_save_dir: Optional[str] = option(
         None, "with --wandb-project: the directory wandb writes its run to; default: "
         "<--save>/wandb")
+    wandb_entity: str = option(
+        "", "with --wandb-project: the wandb entity (team or user) the run belongs to; "
+        "default: the API key's own")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """--wandb-project: the scalars tensorboard gets, logged to Weights & Biases too (rank 0).
 
-As in Megatron-LM: the run is named --wandb-exp-name, written under --wandb-save-dir
+As in Megatron-LM: the run is named --wandb-exp-name, belongs to --wandb-entity (default:
+the API key's default entity), written under --wandb-save-dir
 (default <--save>/wandb), with the run's settings as its config. wandb is optional: the
 package is imported only here, and a run that asks for it without it installed stops at
 start-up (config/rules.py).
@@ -50,11 +51,14 @@ def open_wandb(cfg: RunConfig) -> Optional[WandbWriter]:
     os.makedirs(lg.wandb_save_dir, exist_ok=True)
     # console="off": our log lines stay ours (wandb would wrap stdout to copy them);
     # silent: the line below says what wandb's own banner would
-    run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, dir=lg.wandb_save_dir,
+    # entity: --wandb-entity, or None ('' is Megatron-LM's default): the key's default one
+    run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None,
+                     name=lg.wandb_exp_name, dir=lg.wandb_save_dir,
                      config=dataclasses.asdict(cfg), mode=mode,
                      settings=wandb.Settings(console="off", silent=True))
-    log.info("wandb: run %r of project %r, %s (%s), files in %s%s", lg.wandb_exp_name,
-             lg.wandb_project, effective, why, run.dir,
+    log.info("wandb: run %r of project %r%s, %s (%s), files in %s%s", lg.wandb_exp_name,
+             lg.wandb_project, f" (entity {lg.wandb_entity!r})" if lg.wandb_entity else "",
+             effective, why, run.dir,
              "; `wandb sync` uploads them later" if effective == "offline" else "")
     return WandbWriter(run)
 
