@@ -16,12 +16,15 @@ from helpers import REPO
 
 from megaulysses.config import ConfigError, build_parser, parse_args, resolve
 from megaulysses.config import megatron
-from megaulysses.config.megatron_table import FLAGS, GROUPS, NO_EFFECT, REFUSED, SAME_HERE
+from megaulysses.config.megatron_table import (FLAGS, GROUPS, NO_EFFECT, PREFIXES, REFUSED,
+                                               SAME_HERE)
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import megatron_compat  # noqa: E402
 
 BY_FLAG = {m.flag: m for m in megatron.megatron_flags()}
+BY_NAME = {n: m for m in megatron.megatron_flags() for n in m.names}
+MAIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # Megatron-LM's main, read by the generator
 
 
 def our_options() -> set:
@@ -31,8 +34,9 @@ def our_options() -> set:
 
 
 def test_every_megatron_flag_is_in_the_parser_or_a_table():
-    assert megatron.source().startswith("NVIDIA/Megatron-LM megatron/training/arguments.py @ ")
-    assert len(BY_FLAG) > 500
+    assert megatron.source().startswith("NVIDIA/Megatron-LM megatron/training/arguments.py")
+    assert megatron.source().endswith(" @ " + MAIN)
+    assert len([m for m in BY_FLAG.values() if not m.gone]) > 800
     missing = [m.flag for m, status, _ in megatron.status_rows() if status is None]
     assert not missing, f"Megatron-LM's {missing}: in neither the parser nor " \
                         "megaulysses/config/megatron_table.py"
@@ -41,10 +45,13 @@ def test_every_megatron_flag_is_in_the_parser_or_a_table():
 def test_no_table_row_names_a_flag_of_the_parser():
     ours = our_options()
     for flag in FLAGS:
-        assert flag in BY_FLAG, f"{flag}: not a Megatron-LM flag (megatron_args.json)"
-        assert not set(BY_FLAG[flag].names) & ours, \
+        assert flag in BY_NAME, f"{flag}: not a Megatron-LM flag (megatron_args.json)"
+        assert not set(BY_NAME[flag].names) & ours, \
             f"{flag}: the parser has it now; remove its row from megatron_table.py"
     assert set(GROUPS) <= {m.group for m in BY_FLAG.values()}
+    for prefix in PREFIXES:  # each names a family of flags that are not ours
+        family = [m for m in BY_FLAG.values() if m.flag.startswith(prefix)]
+        assert family and not {n for m in family for n in m.names} & ours, prefix
     assert all(FLAGS.get(f, (None,))[0] == REFUSED for f in SAME_HERE)
 
 
@@ -116,8 +123,8 @@ def test_a_refused_flag_stops_the_run_first_with_one_line(capfd):
     out, err = capfd.readouterr()
     assert rc == 2 and "Traceback" not in out + err
     assert err.strip().splitlines() == [
-        "error: --num-experts/--fp8-format: Megatron-LM's mixture of experts (--num-experts); "
-        "FP8 / FP4 training (--fp8-format): not provided here"]
+        "error: --fp8-format/--num-experts: Megatron-LM's FP8 / FP4 training (--fp8-format); "
+        "mixture of experts (--num-experts): not provided here"]  # in its --help order
     rc = pretrain_gpt.main(["--mock-data", "--rotary-percent", "0.5"])
     assert rc == 2
     assert capfd.readouterr().err.strip().splitlines() == [
@@ -210,3 +217,42 @@ def test_refusal_line_says_megatron_lms_once():
             parse_args(["--mock-data", *argv])
         assert "Megatron-LM's Megatron-LM's" not in str(e.value)
         assert str(e.value).count("Megatron-LM's") == 1, str(e.value)
+
+
+def test_the_table_is_megatron_lms_main_with_the_2025_tables_history():
+    """megatron_args.json is today's main (d98e8a64), dataclass-generated flags included,
+    with today's defaults; the flags of the 000c4ac2 table that main no longer has are kept
+    (a script of that time still parses as it did), each saying where it was last seen."""
+    import json
+    with open(megatron.ARGS_JSON) as f:
+        doc = json.load(f)
+    assert doc["previous"].endswith(" @ 000c4ac24f61159c138b0975def722c65245983c")
+    gone = {m.flag: m for m in BY_FLAG.values() if m.gone}
+    assert {m.gone for m in gone.values()} == {"000c4ac24f61159c138b0975def722c65245983c"}
+    assert {"--use-legacy-models", "--hybrid-attention-ratio", "--retro-project-dir"} <= set(gone)
+    assert not set(gone) & {n for m in BY_FLAG.values() if not m.gone for n in m.names}
+    # generated from TransformerConfig / TrainingConfig fields, with today's values
+    assert BY_FLAG["--mlp-chunks-for-training"].group == "transformer configuration"
+    assert BY_FLAG["--tokenizer-hf-no-include-special-tokens"].default is False
+    assert BY_FLAG["--profile-ranks"].default == []
+    assert BY_FLAG["--no-tp-comm-overlap-ag"].aliases == ("--disable-tp-comm-overlap-ag",)
+    assert BY_FLAG["--exit-signal"].default == "SIGTERM"  # an Enum's member, by name
+    statuses = {m.flag: st for m, st, _ in megatron.status_rows()}
+    assert statuses["--use-legacy-models"] == REFUSED  # a gone flag keeps its row
+    assert statuses["--moe-router-topk"] == REFUSED  # a prefix row (PREFIXES)
+    assert statuses["--no-tp-comm-overlap-ag"] == NO_EFFECT  # its 2025 name's row
+
+
+def test_megatron_main_flags_added_since_2025_parse_or_are_refused_by_name():
+    """A newer script's flags: one implemented under another name of ours, a no-effect one
+    logged, a refused one named, a prefix family's refused."""
+    cfg = parse_args(["--mock-data", "--mlp-chunks-for-training", "2",
+                      "--flash-attention-version", "3"])
+    assert cfg.memory.tiled_mlp_chunks == 2
+    assert dict(cfg.compat.megatron_flags) == {"--flash-attention-version": 3}
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--mock-data", "--use-mup", "--moe-router-topk", "4"])
+    assert e.value.flag == "--use-mup/--moe-router-topk"
+    assert "maximal update parametrization" in str(e.value) and "mixture of experts" in \
+        str(e.value)
+    parse_args(["--mock-data", "--moe-router-topk", "2"])  # Megatron-LM's default: nothing

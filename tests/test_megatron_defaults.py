@@ -37,7 +37,7 @@ def our_defaults() -> dict:
 def same(ours, theirs) -> bool:
     if theirs is None and ours is False:  # Megatron-LM's store_true with default=None
         return True
-    if theirs == "" and ours is None:  # an empty name: off (--wandb-project)
+    if (theirs, ours) in (("", None), (None, "")):  # an empty name: off (--wandb-entity)
         return True
     if isinstance(ours, (int, float)) and not isinstance(ours, bool):
         return isinstance(theirs, (int, float)) and float(ours) == float(theirs)

@@ -355,6 +355,8 @@ def trainer_flags(cfg: ModelConfig, window: Optional[int]) -> list:
               "--swiglu" if m["swiglu"] else "--no-swiglu",
               "--add-bias-linear" if m["add_bias_linear"] else "--disable-bias-linear"]
     flags += ["--add-qkv-bias"] * cfg.add_qkv_bias + ["--qk-layernorm"] * cfg.qk_layernorm
+    if not m["swiglu"] and m["add_bias_linear"] and not m["bias_gelu_fusion"]:
+        flags.append("--no-bias-gelu-fusion")  # the exact GeLU
     if m["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags += ["--make-vocab-size-divisible-by", m["make_vocab_size_divisible_by"]]

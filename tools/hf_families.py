@@ -221,7 +221,8 @@ def hf_config(cfg, arch: str, run: dict, common: dict, window: Optional[int]):
         dropout = run.get("hidden_dropout", 0.0)
         return make(n_embd=cfg.hidden_size, n_inner=cfg.ffn_size, n_layer=cfg.num_layers,
                     n_head=cfg.num_attention_heads, n_positions=cfg.max_positions,
-                    activation_function="gelu_new", layer_norm_epsilon=cfg.norm_epsilon,
+                    activation_function="gelu_new" if cfg.gelu_approximate == "tanh" else "gelu",
+                    layer_norm_epsilon=cfg.norm_epsilon,
                     resid_pdrop=dropout, embd_pdrop=dropout,
                     attn_pdrop=run.get("attention_dropout", 0.0), **common)
     keys = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
@@ -282,10 +283,14 @@ def _rope_family_rules(arch: str, c) -> list:
     return rules
 
 
+# transformers' names of the tanh-approximated GeLU (Megatron-LM's fused bias-GeLU's math)
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
 def _gpt2_import_rules(c) -> list:
     act = c.activation_function
-    return [(act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"), "activation_function",
-             f"{act!r}: only the tanh GeLU (gelu_new)"),
+    return [(act in TANH_GELUS + ("gelu",), "activation_function",
+             f"{act!r}: only the tanh GeLU (gelu_new) or the exact one (gelu)"),
             (c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx,
              "scale_attn_weights", "only 1/sqrt(head_dim) attention scaling"),
             (not c.add_cross_attention, "add_cross_attention", "not a decoder-only model")]
@@ -321,4 +326,5 @@ def model_fields_from_hf(arch: str, c, path: str, rope_key: str) -> tuple:
                 num_query_groups=c.n_head, kv_channels=c.n_embd // c.n_head,
                 max_position_embeddings=c.n_positions,
                 position_embedding_type="learned_absolute", normalization="LayerNorm",
-                norm_epsilon=c.layer_norm_epsilon, swiglu=False, add_bias_linear=True), None
+                norm_epsilon=c.layer_norm_epsilon, swiglu=False, add_bias_linear=True,
+                bias_gelu_fusion=c.activation_function in TANH_GELUS), None

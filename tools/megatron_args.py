@@ -1,20 +1,32 @@
-"""Megatron-LM's flags as data: megaulysses/config/megatron_args.json, read from a local
-copy of its megatron/training/arguments.py with `ast` (nothing of Megatron-LM is imported
-or run, nothing is downloaded).
+"""Megatron-LM's flags as data: megaulysses/config/megatron_args.json. Nothing is
+downloaded; the JSON is committed and megaulysses/config/megatron.py reads it at run time.
 
+    python tools/megatron_args.py --source CHECKOUT --commit SHA [--previous OLD.json]
     python tools/megatron_args.py PATH/TO/arguments.py --commit SHA
 
-One object per `add_argument` call, in the order Megatron-LM's --help lists them (its
-`add_megatron_arguments` calls the `_add_*_args` functions in that order): the flag, its
-aliases (its other option strings; --no-X for a BooleanOptionalAction), dest, default,
-action, type, nargs, choices, its argparse group's title and the first sentence of its
-help. The JSON is committed; megaulysses/config/megatron.py reads it at run time.
+One object per flag, in the order Megatron-LM's --help lists them: the flag, its aliases
+(its other option strings; --no-X for a BooleanOptionalAction), dest, default, action,
+type, nargs, choices, its argparse group's title and the first sentence of its help.
 
-It reads versions whose flags are all literal `add_argument` calls (up to commit 000c4ac2,
-the one committed); newer ones generate many flags from dataclasses, which this does not
-follow.
+Two readers, for two generations of Megatron-LM:
+- `--source CHECKOUT` (today's main, read at d98e8a64): most flags are generated from its
+  config dataclasses (TransformerConfig, TrainingConfig, CheckpointConfig, ... through its
+  ArgumentGroupFactory: a field's type, default and docstring make the flag), so the only
+  faithful reader is its own parser: Megatron-LM's `add_megatron_arguments` is imported
+  from CHECKOUT (its megatron/ directory, first on sys.path, ahead of any installed
+  megatron-core) and run on an empty parser, and the parser's actions are written out.
+  GPU-only packages it imports at module level (triton) are stubbed where not installed:
+  they define kernels, no flag. Enum-typed flags take a member's name (its
+  ArgumentGroupFactory parses `Enum[name]`): choices and defaults are written as names.
+- `arguments.py` alone (up to commit 000c4ac2, the table of 2024-2025): every flag was a
+  literal `add_argument` call, read with `ast`, nothing imported or run.
+
+History: `--previous` (default: the committed JSON) is the table this one replaces. Its
+flags that today's main no longer has are kept in "gone", each with the commit that last
+had it, so a script written for that version still parses as before (megatron.py treats
+them as Megatron-LM flags; docs/megatron_compat.md lists them apart), and the run prints
+how many were added and gone.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -160,16 +172,158 @@ def extract(source: str) -> list[dict]:
     return flags
 
 
+# ---------------------------------------------------------------- today's main: its parser
+
+_ACTIONS = {"_StoreAction": None, "_StoreTrueAction": "store_true",
+            "_StoreFalseAction": "store_false", "_StoreConstAction": "store_const",
+            "_AppendAction": "append", "_AppendConstAction": "append_const",
+            "_CountAction": "count", "BooleanOptionalAction": "BooleanOptionalAction"}
+
+
+def jsonable(v: Any) -> Any:
+    """A default or choice as JSON: an Enum member as its name (what the command line
+    takes), a tuple as a list, a dtype or other object as its str()."""
+    import enum
+    if isinstance(v, enum.Enum):
+        return v.name
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)
+
+
+def _type_of(action: Any) -> Optional[str]:
+    t = action.type
+    if t is None:
+        return None
+    if action.choices and all(hasattr(c, "name") and hasattr(c, "value")
+                              for c in action.choices):
+        return "str"  # an Enum's member, by name
+    return t.__name__ if t.__name__ != "<lambda>" else "str"
+
+
+def action_record(action: Any, group: str) -> dict:
+    """One argparse action of Megatron-LM's parser as a JSON object."""
+    names = list(action.option_strings)
+    flag = next(n for n in names if n.startswith("--"))
+    kind = type(action).__name__
+    if kind not in _ACTIONS:
+        raise ValueError(f"{flag}: action {kind} not known here")
+    switch = _ACTIONS[kind] in ("store_true", "store_false", "store_const",
+                                "BooleanOptionalAction")
+    return {"flag": flag, "aliases": [n for n in names if n != flag], "dest": action.dest,
+            "default": jsonable(action.default), "action": _ACTIONS[kind],
+            "type": None if switch else _type_of(action),
+            "nargs": None if switch else action.nargs,  # argparse's 0 for a switch
+            "choices": jsonable(list(action.choices)) if action.choices is not None else None,
+            "group": group, "help": first_sentence(action.help or "")}
+
+
+def _stub_missing(packages: list[str]) -> None:
+    """Packages Megatron-LM imports at module level for GPU kernels (triton): a stand-in
+    module where they are not installed, so its argument code can be imported. torch's
+    own optional imports of them are done first, so torch sees them missing."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    from unittest import mock
+
+    import torch._inductor.compile_fx  # noqa: F401  (imports triton if it can)
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+
+    class Stub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in missing:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            m = mock.MagicMock(name=spec.name)
+            m.__spec__, m.__path__, m.__name__, m.__version__ = spec, [], spec.name, "0"
+            return m
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, Stub())
+
+
+# Groups Megatron-LM adds only where an optional library imports (module -> the names its
+# arguments.py imports from it): declared present, so the table has every flag.
+OPTIONAL_GROUPS = {"megatron.core.extensions.kitchen": {"HAVE_KITCHEN": True,
+                                                        "KitchenSpecProvider": object}}
+
+
+def extract_from_checkout(checkout: str, stub: list[str]) -> list[dict]:
+    """Every flag of Megatron-LM's parser at `checkout` (a directory holding megatron/),
+    in its --help order."""
+    import typing
+    if not hasattr(typing, "override"):  # Python 3.12's, which it imports; a no-op
+        typing.override = lambda f: f
+    _stub_missing(stub)
+    sys.path.insert(0, os.path.abspath(checkout))
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]  # an installed megatron-core must not answer
+    from megatron.training.arguments import add_megatron_arguments
+    import types
+    for name, attrs in OPTIONAL_GROUPS.items():
+        sys.modules[name] = types.SimpleNamespace(**attrs)
+    assert os.path.abspath(sys.modules["megatron"].__path__[0]).startswith(
+        os.path.abspath(checkout)), "megatron imported from elsewhere"
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    group_of = {id(a): g.title for g in parser._action_groups for a in g._group_actions}
+    return [action_record(a, group_of[id(a)]) for a in parser._actions
+            if a.option_strings and a.dest != "help"]
+
+
+# ---------------------------------------------------------------- history
+
+
+def gone_flags(previous: dict, flags: list[dict]) -> list[dict]:
+    """The previous table's flags that `flags` no longer has (by option string), each
+    with "last": the commit its table was read from (where it was last seen)."""
+    names = {n for f in flags for n in (f["flag"], *f["aliases"])}
+    commit = previous["source"].rsplit("@", 1)[1].strip()
+    earlier = {f["flag"]: f for f in previous.get("gone", [])}
+    gone = [{**f, "last": f.get("last", commit)} for f in previous["flags"]
+            if not {f["flag"], *f["aliases"]} & names]
+    return gone + [f for flag, f in earlier.items() if flag not in names
+                   and flag not in {g["flag"] for g in gone}]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("arguments_py", help="a local copy of megatron/training/arguments.py")
+    p.add_argument("arguments_py", nargs="?",
+                   help="a local copy of megatron/training/arguments.py (up to 000c4ac2)")
+    p.add_argument("--source", help="a local checkout of Megatron-LM (today's main)")
     p.add_argument("--commit", required=True, help="the Megatron-LM commit it is from")
+    p.add_argument("--previous", default=OUT,
+                   help="the table this one replaces: its flags gone are kept (default: "
+                        "the committed one)")
+    p.add_argument("--stub", nargs="*", default=["triton"],
+                   help="GPU-kernel packages to stand in for where not installed")
     p.add_argument("--out", default=OUT)
     args = p.parse_args(argv)
-    with open(args.arguments_py) as f:
-        flags = extract(f.read())
-    doc = {"source": f"NVIDIA/Megatron-LM megatron/training/arguments.py @ {args.commit}",
-           "flags": flags}
+    if (args.arguments_py is None) == (args.source is None):
+        p.error("give arguments.py or --source, one of them")
+    if args.source:
+        flags = extract_from_checkout(args.source, args.stub)
+        where = "megatron/training/arguments.py (its parser, config dataclasses included)"
+    else:
+        with open(args.arguments_py) as f:
+            flags = extract(f.read())
+        where = "megatron/training/arguments.py"
+    doc = {"source": f"NVIDIA/Megatron-LM {where} @ {args.commit}", "flags": flags}
+    if args.previous and os.path.exists(args.previous):
+        with open(args.previous) as f:
+            previous = json.load(f)
+        same = previous["source"] == doc["source"]  # regenerated: the history stays
+        doc["previous"] = previous.get("previous") if same else previous["source"]
+        doc["gone"] = gone_flags(previous, flags)
+        old = {n for x in previous["flags"] for n in (x["flag"], *x["aliases"])}
+        added = [x["flag"] for x in flags if not {x["flag"], *x["aliases"]} & old]
+        print(f"since {previous['source'].rsplit('@', 1)[1].strip()[:8]}: "
+              f"{len(added)} flags added, {len(doc['gone'])} gone (kept in \"gone\")")
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

@@ -70,12 +70,20 @@ def render() -> str:
            "given with Megatron-LM's own default value, a refused flag asks for nothing and "
            "is accepted and logged)."]
     group: Optional[str] = None
-    for m, status, reason in rows:
+    for m, status, reason in (r for r in rows if not r[0].gone):
         if m.group != group:
             group = m.group
             out += ["", f"## {group}", "", "| Megatron-LM flag | here |", "|---|---|"]
         names = ", ".join(f"`{n}`" for n in m.names)
         out.append(f"| {names} | {_cell(_here(status, reason))} |")
+    gone = [r for r in rows if r[0].gone]  # an earlier table's, kept so its scripts parse
+    if gone:
+        out += ["", "## Gone from Megatron-LM's main", "",
+                "Flags of an earlier Megatron-LM (the commit that last had them) that its "
+                "main no longer has: scripts of that time parse here as they did.", "",
+                "| Megatron-LM flag | last in | group | here |", "|---|---|---|---|"]
+        out += [f"| {', '.join(f'`{n}`' for n in m.names)} | {m.gone[:8]} | {m.group} | "
+                f"{_cell(_here(status, reason))} |" for m, status, reason in gone]
     out += ["", "## Flags of ours that Megatron-LM has not", "",
             "What each does: `python pretrain_gpt.py --help`.", "", "| flag | group |",
             "|---|---|", *_ours_only()]

@@ -85,6 +85,9 @@ def to_megatron(args: argparse.Namespace) -> str:
     print(f"wrote {args.save}: Megatron-LM {args.ckpt_format} checkpoint ({name}, {dtype}, "
           f"tp {tp} x pp {pp}) from {path}")
     extra = load_flags(iter_dir)
+    if written.add_bias_linear and not written.swiglu and not written.bias_gelu_fusion:
+        # the exact GeLU; --use-checkpoint-args does not restore this switch
+        extra = " ".join(filter(None, [extra, "--no-bias-gelu-fusion"]))
     divisor = written.make_vocab_size_divisible_by
     print(f"load it in Megatron-LM with: --load {args.save} --use-checkpoint-args "
           f"--ckpt-format {args.ckpt_format} --transformer-impl {args.transformer_impl} "

@@ -22,8 +22,6 @@ _SWITCHES = {
                          "there is one GPT implementation here (megaulysses/model)"),
     "no_masked_softmax_fusion": ("Megatron-LM's unfused softmax",
                                  "the softmax runs inside the --attention-backend kernel"),
-    "no_bias_gelu_fusion": ("Megatron-LM's unfused bias + GeLU",
-                            "no fused bias-GeLU kernel here"),
     "no_bias_dropout_fusion": ("Megatron-LM's unfused bias + dropout",
                                "no fused bias-dropout kernel here"),
     "no_gradient_accumulation_fusion": ("Megatron-LM's unfused weight-gradient accumulation",
@@ -60,7 +58,6 @@ class CompatConfig:
         no_effect="it selects no kernels here: the attention backend and the matmul library "
                   "in use are logged at start")
     no_masked_softmax_fusion: bool = _switch("no_masked_softmax_fusion")
-    no_bias_gelu_fusion: bool = _switch("no_bias_gelu_fusion")
     no_bias_dropout_fusion: bool = _switch("no_bias_dropout_fusion")
     no_gradient_accumulation_fusion: bool = _switch("no_gradient_accumulation_fusion")
     no_persist_layer_norm: bool = _switch("no_persist_layer_norm")

@@ -25,11 +25,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 from megaulysses.config.errors import ConfigError
-from megaulysses.config.megatron_table import (FLAGS, GROUPS, NEEDS, NO_EFFECT, REFUSED,
-                                               SAME_HERE)
+from megaulysses.config.megatron_table import (FLAGS, GROUPS, NEEDS, NO_EFFECT, PREFIXES,
+                                               REFUSED, SAME_HERE)
 
 ARGS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_args.json")
 DEST = "megatron:"  # the parser destination of a table flag: DEST + its flag
+OWNER = "Megatron-LM's "  # said once in a refusal line
 _TYPES = {"int": int, "float": float}  # any other type (str, bool, Megatron's parsers): str
 
 
@@ -46,6 +47,7 @@ class MegatronFlag:
     choices: Optional[tuple]
     group: str
     help: str
+    gone: str = ""  # the commit of the earlier table that last had it: gone from today's
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -57,10 +59,12 @@ def _load() -> tuple[str, tuple[MegatronFlag, ...]]:
     with open(ARGS_JSON) as f:
         doc = json.load(f)
     names = {f.name for f in fields(MegatronFlag)}
+    # today's flags, then those of the earlier table gone since (its scripts still parse)
     flags = tuple(MegatronFlag(**{**{k: v for k, v in x.items() if k in names},
                                   "aliases": tuple(x["aliases"]),
-                                  "choices": x["choices"] and tuple(x["choices"])})
-                  for x in doc["flags"])
+                                  "choices": x["choices"] and tuple(x["choices"]),
+                                  "gone": x.get("last", "")})
+                  for x in doc["flags"] + doc.get("gone", []))
     return doc["source"], flags
 
 
@@ -70,7 +74,8 @@ def source() -> str:
 
 
 def megatron_flags() -> tuple[MegatronFlag, ...]:
-    """Every flag of Megatron-LM, in the order of its --help."""
+    """Every flag of Megatron-LM, in the order of its --help, then those its earlier table
+    had that are gone since (MegatronFlag.gone)."""
     return _load()[1]
 
 
@@ -87,9 +92,12 @@ def _option_names(field_name: str, flag: Any) -> tuple[str, ...]:
 
 
 def row(flag: MegatronFlag) -> Optional[tuple[str, str]]:
-    """(status, reason) of a Megatron-LM flag in the tables, its own row before its
-    group's; None where neither has one."""
-    return FLAGS.get(flag.flag) or GROUPS.get(flag.group)
+    """(status, reason) of a Megatron-LM flag in the tables: its own row (under any of its
+    names: today's --no-X of a dataclass field was --disable-X in 2025), else its prefix's,
+    else its group's; None where none has one."""
+    return (next((FLAGS[n] for n in flag.names if n in FLAGS), None)
+            or next((r for p, r in PREFIXES.items() if flag.flag.startswith(p)), None)
+            or GROUPS.get(flag.group))
 
 
 @functools.cache
@@ -153,13 +161,12 @@ def refuse(given_flags: Sequence[tuple[str, Any]]) -> None:
                if table_flags()[flag][1] == REFUSED and not _asks_for_nothing(flag, value)]
     if len(refused) == 1:
         flag, reason = refused[0]
-        owner = "" if reason.startswith("Megatron-LM's") else "Megatron-LM's; "
+        owner = "" if reason.startswith(OWNER) else "Megatron-LM's; "
         raise ConfigError(flag, f"{reason} ({owner}not provided here)")
-    if refused:  # "Megatron-LM's" once, where the first reason does not start with it
-        reasons = "; ".join(f"{reason} ({flag})" for flag, reason in refused)
-        owner = "" if reasons.startswith("Megatron-LM's") else "Megatron-LM's "
+    if refused:  # "Megatron-LM's" once, in front (not again where a reason starts with it)
+        reasons = "; ".join(f"{reason.removeprefix(OWNER)} ({flag})" for flag, reason in refused)
         raise ConfigError("/".join(f for f, _ in refused),
-                          f"{owner}{reasons}: not provided here")
+                          f"{OWNER}{reasons}: not provided here")
 
 
 def check_needs(cfg: Any) -> None:
@@ -206,6 +213,9 @@ IMPLEMENTED_AS = {
                                    "x sp); ZeRO-1 under fp32; a higher --zero-stage stays",
     "--attention-backend": "flash and auto as in Megatron-LM; fused runs as sdpa, unfused "
                            "and local as math (logged)",
+    "--mlp-chunks-for-training": "--tiled-mlp-chunks: the same chunks of the sequence, "
+                                 "recomputed in backward here (Megatron-LM keeps each chunk's "
+                                 "intermediates: more memory, the same values)",
 }
 
 

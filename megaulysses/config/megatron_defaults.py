@@ -29,4 +29,14 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
                      "only add processes (they are opt-in)",
     "--exit-signal-handler": "on under SLURM here (SIGTERM: finish the step, save, exit 0), "
                              "off elsewhere as in Megatron-LM",
+    # Megatron-LM's None that it replaces by a value before use: that value here
+    "--dataloader-type": "Megatron-LM's None becomes 'single' in its validate_args",
+    "--yarn-beta-fast": "Megatron-LM's None becomes YarnRotaryEmbedding's 32.0 (its "
+                        "_apply_yarn_config_from_args)",
+    "--yarn-beta-slow": "Megatron-LM's None becomes YarnRotaryEmbedding's 1.0 (its "
+                        "_apply_yarn_config_from_args)",
+    "--eval-interval": "Megatron-LM's main has None ('no evaluation during training') but "
+                       "then stops computing its validation sample count (train_iters // "
+                       "eval_interval in train_valid_test_num_samples), so its scripts give "
+                       "it; here 1000, its default up to 000c4ac2",
 }

@@ -68,7 +68,9 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                      recompute_num_layers=mem.recompute_num_layers or (1 if full else None))
     backend = cfg.model.attention_backend
     model = replace(cfg.model, vocab_size=vocab_size,
-                    attention_backend=MEGATRON_ATTENTION.get(backend, backend))
+                    attention_backend=MEGATRON_ATTENTION.get(backend, backend),
+                    # Megatron-LM's rule: no fused bias-GeLU without biases
+                    bias_gelu_fusion=cfg.model.bias_gelu_fusion and cfg.model.add_bias_linear)
     check_grid(dims, model, train.global_batch_size, train.micro_batch_size,
                parallel.tp_sequence_parallel, parallel.pipeline_schedule,
                memory.tiled_mlp_chunks, memory.attention_head_groups)

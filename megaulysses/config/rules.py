@@ -363,8 +363,8 @@ def _validate_observability(log: LogConfig, save: Optional[str]) -> None:
     require(end > start, "--profile-step-end",
             f"must be > --profile-step-start {start} (the trace holds the steps between), "
             f"got {end}")
-    require(min(log.profile_ranks) >= 0, "--profile-ranks",
-            f"ranks must be >= 0, got {min(log.profile_ranks)}")
+    require(min(log.profile_ranks, default=0) >= 0, "--profile-ranks",  # []: every rank
+            f"ranks must be >= 0, got {min(log.profile_ranks, default=0)}")
     require(not log.profile or bool(log.tensorboard_dir), "--profile",
             "needs --tensorboard-dir: the trace is written to "
             "<--tensorboard-dir>/../torch_profile, as in Megatron-LM")

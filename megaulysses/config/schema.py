@@ -90,6 +90,10 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         True, "biases in the linear layers (GPT-2)", action="store_true", before=(Flag(
             "no biases in the linear layers (Llama)", names=("--disable-bias-linear",),
             action="store_false", default=True),))
+    bias_gelu_fusion: bool = option(
+        True, "the exact (erf) GeLU instead of the tanh approximation that Megatron-LM's fused "
+        "bias-GeLU computes (its default); Megatron-LM's GeLU is exact without biases too "
+        "(--disable-bias-linear)", names=("--no-bias-gelu-fusion",), action="store_false")
     add_qkv_bias: bool = option(
         False, "biases on the q, k and v projections only (Qwen2), whatever "
         "--disable-bias-linear says of the other linears", action="store_true")
@@ -153,6 +157,12 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         return 4 * self.hidden_size
 
     @property
+    def gelu_approximate(self) -> str:
+        """The GeLU's math, as Megatron-LM's: "tanh" where its fused bias-GeLU runs (biases
+        on, --bias-gelu-fusion, the default), else "none" (torch's exact erf GeLU)."""
+        return "tanh" if self.bias_gelu_fusion and self.add_bias_linear else "none"
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -169,6 +179,8 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         for k in ("hidden_dropout", "attention_dropout", "attention_backend", "init_method_std",
                   *MASK_FIELDS):
             d.pop(k)
+        if self.swiglu:  # no GeLU: the switch means nothing (older checkpoints lack it)
+            d.pop("bias_gelu_fusion")
         d.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.num_kv_heads,
                  kv_channels=self.head_dim, max_position_embeddings=self.max_positions,
                  padded_vocab_size=self.padded_vocab_size, **self.rope_shape_dict())
@@ -353,6 +365,18 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = option(
         True, "a non-finite loss or gradient norm on any rank skips the step on every rank "
         "(counted as skipped); off: the step is taken anyway", action="optional")
+    check_for_spiky_loss: bool = option(
+        False, "a loss 10 times the largest of the first 100 steps (the job's first step not "
+        "counted) runs its step again before the optimizer steps, and says whether the rerun "
+        "reproduced it; training goes on with the rerun (Megatron-LM's result validation)",
+        action="store_true")
+    check_for_large_grads: bool = option(
+        False, "the same for the gradient norm (tolerance 0.001 between the runs)",
+        action="store_true")
+    empty_unused_memory_level: int = option(
+        0, "CUDA: torch.cuda.empty_cache() after each step's forward and backward passes and "
+        "each evaluation iteration (1), and after the optimizer step too (2), as Megatron-LM; "
+        "0: never", kind="int", choices=(0, 1, 2))
     max_consecutive_skipped: int = option(
         10, "stop with an error after this many skipped steps in a row, leaving the last "
         "checkpoint as it was (0: never; with --fp16 dynamic loss scaling, skips while the scale "

@@ -53,7 +53,8 @@ class LogConfig:
     profile_step_end: int = option(
         12, "--profile: the trace ends after this iteration", kind="int")
     profile_ranks: list = option(
-        [0], "--profile: the global ranks that record a trace", nargs="+", kind="int")
+        [], "--profile: the global ranks that record a trace (default: every rank, as "
+        "Megatron-LM's)", nargs="+", kind="int")
     wandb_project: Optional[str] = option(
         None, "log tensorboard's scalars to this Weights & Biases project too (needs the "
         "wandb package; offline, into --wandb-save-dir, unless WANDB_MODE or an API key says "
@@ -160,7 +161,8 @@ class MemoryConfig:
         kind="positive")
     tiled_mlp_chunks: int = option(
         1, "run each MLP over the local sequence in this many chunks, recomputed in backward: "
-        "its [tokens, ffn] intermediates exist for one chunk at a time", kind="positive")
+        "its [tokens, ffn] intermediates exist for one chunk at a time", kind="positive",
+        names=("--tiled-mlp-chunks", "--mlp-chunks-for-training"))  # the 2nd: Megatron-LM's
     cpu_offloading_num_layers: int = option(
         0, "with --recompute-granularity full: the inputs that recomputation keeps of the "
         "groups starting in the first N layers of each pipeline stage go to (pinned) host "

@@ -86,7 +86,8 @@ class Block(nn.Module):
         self.attn = SelfAttention(cfg, core)
         self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
                                     cfg.apply_layernorm_1p)
-        self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear)
+        self.mlp = MLP(cfg.hidden_size, cfg.ffn_size, cfg.swiglu, cfg.add_bias_linear,
+                       cfg.gelu_approximate)
         self.dropout = cfg.hidden_dropout
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],

@@ -154,9 +154,11 @@ class MLP(nn.Module):
     parallelism can shard each by rows without re-interleaving.
     """
 
-    def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool):
+    def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool,
+                 gelu_approximate: str = "tanh"):
         super().__init__()
         self.swiglu = swiglu
+        self.gelu_approximate = gelu_approximate  # "tanh" or "none" (erf): ModelConfig's
         self.fc1 = Linear(hidden, ffn, bias=bias)
         self.gate = Linear(hidden, ffn, bias=bias) if swiglu else None
         self.fc2 = Linear(ffn, hidden, bias=bias)
@@ -166,5 +168,5 @@ class MLP(nn.Module):
             use = shared_input(x)  # one 16-bit copy of x for gate and fc1, not two
             y = F.silu(self.gate(use())) * self.fc1(use())  # [b, s, f]
         else:
-            y = F.gelu(self.fc1(x), approximate="tanh")
+            y = F.gelu(self.fc1(x), approximate=self.gelu_approximate)
         return self.fc2(y)  # [b, s, h]

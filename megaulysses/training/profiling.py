@@ -44,7 +44,7 @@ class StepProfiler:
 
     def __init__(self, cfg: Config, rank: int):
         lg = cfg.log
-        self.on = lg.profile and rank in lg.profile_ranks
+        self.on = lg.profile and (not lg.profile_ranks or rank in lg.profile_ranks)  # []: all
         self.start, self.end = lg.profile_step_start, lg.profile_step_end
         self.path = trace_path(lg.tensorboard_dir, rank) if self.on else None
         self.prof: Optional[torch.profiler.profile] = None

@@ -22,9 +22,10 @@ CPU workarounds (each one also commented where it is applied):
   ``fork()`` is a no-op (dropout is 0, so no RNG stream is ever consumed).
 * ``TransformerConfig``: ``use_cpu_initialization=True`` (parameters are allocated on CPU,
   not ``torch.cuda.current_device()``), ``perform_initialization=False`` (every weight is
-  overwritten by :func:`randomize_` anyway), all fusions off (``gradient_accumulation_fusion``,
-  ``bias_activation_fusion``, ``bias_dropout_fusion``, ``masked_softmax_fusion``,
-  ``apply_rope_fusion``, ``persist_layer_norm``: they need CUDA kernels / Apex / TE).
+  overwritten by :func:`randomize_` anyway), fusions off (``gradient_accumulation_fusion``,
+  ``bias_dropout_fusion``, ``masked_softmax_fusion``, ``apply_rope_fusion``,
+  ``persist_layer_norm``: they need CUDA kernels / Apex / TE) except the bias-GeLU fusion
+  (Megatron-LM's default; a torch function, run eagerly: ``torch._dynamo`` is disabled).
 * Tied embeddings with pp > 1: ``LanguageModule.setup_embeddings_and_output_layer`` does
   ``weight.data.cuda()`` before the first/last stage all-reduce; it is skipped while the model
   is built (patched ``_is_in_embd_group`` -> False); :func:`randomize_` writes the same
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import os
 import sys
@@ -73,6 +75,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import initialize_rng_tracker
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import GlobalMemoryBuffer
 from torch.distributed.checkpoint.api import CheckpointException
@@ -126,6 +129,9 @@ def init_megatron(rank: int, world_size: int, tp: int = 1, pp: int = 1, port: in
     # GlobalMemoryBuffer allocates on torch.cuda.current_device(); DotProductAttention takes
     # its baddbmm input buffer from it.
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    # megatron.core.jit's jit_fuser is torch.compile: its fused functions (bias-GeLU) run
+    # as written, eagerly, instead of being compiled on CPU (same math, no C++ build)
+    torch._dynamo.config.disable = True
     # model_parallel_cuda_manual_seed() calls torch.cuda.get_rng_state(): unusable on CPU.
     # The inference tracker's fork() is a no-op; with dropout 0 no RNG stream is consumed.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -154,12 +160,13 @@ def model_shape(style: str, **shape: int) -> dict[str, int]:
     return merged
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-def transformer_config(style: str, shape: dict[str, int]) -> TransformerConfig:
-    """TransformerConfig of a tiny fp32 model for the current parallel layout, CPU friendly."""
+def transformer_config(style: str, shape: dict[str, int], gelu_fusion: bool = True,
+                       sequence_parallel: bool = False,
+                       dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """TransformerConfig of a tiny model for the current parallel layout, CPU friendly.
+    `gelu_fusion`: Megatron-LM's --bias-gelu-fusion (its default): the GPT style's GeLU is
+    its fused bias-GeLU (tanh approximation), else torch's exact GeLU. `dtype`: the
+    parameters' (bf16: Megatron-LM's --bf16 model, softmax in fp32 as its default)."""
     llama = style == "llama"
     return TransformerConfig(
         num_layers=shape["num_layers"],
@@ -175,20 +182,23 @@ def transformer_config(style: str, shape: dict[str, int]) -> TransformerConfig:
         add_bias_linear=not llama,
         add_qkv_bias=not llama,
         gated_linear_unit=llama,
-        # GeLU as Megatron-LM computes it by default: its fused bias-GeLU (the default
-        # --bias-gelu-fusion, off here for want of CUDA) is the tanh approximation.
-        activation_func=F.silu if llama else _gelu_tanh,
+        activation_func=F.silu if llama else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        sequence_parallel=sequence_parallel,
         # Allocate parameters on CPU (otherwise torch.cuda.current_device()).
         use_cpu_initialization=True,
         # Every parameter is overwritten by randomize_(); skip megatron's own init.
         perform_initialization=False,
-        # Fused kernels need CUDA / Apex / Transformer Engine.
+        # Fused kernels need CUDA / Apex / Transformer Engine. The bias-GeLU "fusion" is a
+        # torch function (megatron.core.fusions.fused_bias_gelu, compiled by its jit_fuser:
+        # torch.compile, which init_megatron turns off so it runs as written).
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=gelu_fusion and not llama,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -215,20 +225,44 @@ def _keep_rotary_on_cpu(model: torch.nn.Module) -> None:
             module.get_emb = _cpu_get_emb.__get__(module)
 
 
-def build_model(style: str, seed: int = DEFAULT_SEED, **shape: int) -> GPTModel:
+@contextlib.contextmanager
+def _torch_norms_under_sequence_parallel() -> Iterator[None]:
+    """The local spec's norm (WrappedTorchNorm: torch's LayerNorm / RMSNorm) refuses
+    sequence_parallel because torch's module does not mark its parameters the way Apex's
+    and Transformer Engine's norms do (``sequence_parallel=True``: finalize_model_grads
+    all-reduces their gradients over tp). A per-token norm computes the same on a sequence
+    slice, so while a model is built the norm is made without the flag, then marked."""
+    make = WrappedTorchNorm.__new__
+
+    def marked(cls, config, *args, **kwargs):  # type: ignore[no-untyped-def]
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = make(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    with mock.patch.object(WrappedTorchNorm, "__new__", marked):
+        yield
+
+
+def build_model(style: str, seed: int = DEFAULT_SEED, gelu_fusion: bool = True,
+                sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                **shape: int) -> GPTModel:
     """This rank's pipeline stage of a tiny ``style`` GPTModel ("gpt" or "llama"), randomized.
 
     The random weights depend only on ``seed`` and the shape, not on tp/pp: every rank holds
-    slices of the same global tensors (see :func:`randomize_`).
+    slices of the same global tensors (see :func:`randomize_`), rounded to ``dtype``.
     """
     shape = model_shape(style, **shape)
-    config = transformer_config(style, shape)
+    config = transformer_config(style, shape, gelu_fusion, sequence_parallel, dtype)
     llama = style == "llama"
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     # setup_embeddings_and_output_layer() does weight.data.cuda() before the tied-embedding
     # all-reduce between the first and last stage; skip it, randomize_() writes the same
     # global embedding on both stages.
-    with mock.patch.object(LanguageModule, "_is_in_embd_group", lambda self: False):
+    with mock.patch.object(LanguageModule, "_is_in_embd_group", lambda self: False), \
+            _torch_norms_under_sequence_parallel():
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -528,6 +562,18 @@ def _sharded_sd_metadata() -> dict[str, Any]:
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
+
+
+@contextlib.contextmanager
+def sequence_parallel_on_cpu() -> Iterator[None]:
+    """Megatron-SP's gathers and reduce-scatters (tensor_parallel.mappings) allocate their
+    outputs on torch.cuda.current_device(): a forward and backward under sequence
+    parallelism run inside this, which makes it the CPU (gloo moves CPU tensors)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")):
+        yield
 
 
 @contextlib.contextmanager

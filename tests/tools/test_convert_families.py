@@ -73,6 +73,10 @@ CASES = {
     "qwen3": ("Qwen3", dict(head_dim=32, rope_parameters=LLAMA3)),
     "gpt2": ("GPT2", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
                           initializer_range=0.08, bos_token_id=255, eos_token_id=255)),
+    # the exact GeLU: --no-bias-gelu-fusion (Megatron-LM's unfused GeLU)
+    "gpt2-erf": ("GPT2", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
+                              initializer_range=0.08, bos_token_id=255, eos_token_id=255,
+                              activation_function="gelu")),
 }
 FAMILY = {"Llama": "LlamaForCausalLM", "Mistral": "MistralForCausalLM",
           "Qwen2": "Qwen2ForCausalLM", "Qwen3": "Qwen3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
@@ -237,10 +241,12 @@ def test_printed_flags_carry_every_feature(imported):
               "llama-yarn-mscale": ["--rope-type", "yarn", "--yarn-beta-fast", "16.0",
                                     "--mscale", "0.8", "--mscale-all-dim", "0.5"],
               "qwen2": ["--add-qkv-bias", "--disable-bias-linear", "--window-size", "24"],
-              "qwen3": ["--qk-layernorm", "--kv-channels", "32"]}
+              "qwen3": ["--qk-layernorm", "--kv-channels", "32"],
+              "gpt2-erf": ["--no-bias-gelu-fusion"]}
     for name, words in expect.items():
         flags = imported(name)[2]
         assert all(w in flags for w in words), (name, flags)
+    assert "--no-bias-gelu-fusion" not in imported("gpt2")[2]  # gelu_new: the tanh GeLU
 
 
 # -- export: shards, dtype, family choice ----------------------------------------------------------

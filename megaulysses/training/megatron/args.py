@@ -171,6 +171,10 @@ def model_config(args: Any, where: str, padded_vocab: int) -> tuple[ModelConfig,
         apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False)),
         swiglu=bool(_get(args, "swiglu", False)),
         add_bias_linear=bool(_get(args, "add_bias_linear", True)),
+        # its GeLU: the fused bias-GeLU's tanh approximation, else exact (validate_args has
+        # already turned the fusion off without biases)
+        bias_gelu_fusion=bool(_get(args, "bias_gelu_fusion", True)) and bool(
+            _get(args, "add_bias_linear", True)),
         # Megatron-LM sets add_qkv_bias whenever add_bias_linear is on; ours means "q, k, v
         # only", so it stays off where every linear has a bias
         add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) and not bool(
@@ -225,7 +229,7 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, run: Optional[dict] = None
         use_rope_scaling=cfg.use_rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor,
         normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p, swiglu=cfg.swiglu,
-        add_bias_linear=cfg.add_bias_linear,
+        add_bias_linear=cfg.add_bias_linear, bias_gelu_fusion=cfg.gelu_approximate == "tanh",
         add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,  # Megatron-LM keeps them in sync
         qk_layernorm=cfg.qk_layernorm,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
