@@ -744,7 +744,6 @@ ALONE = {
     "--recompute-method": ["block", "--recompute-granularity", "full"],
     "--recompute-num-layers": ["2", "--recompute-granularity", "full"],
     "--tiled-mlp-chunks": ["4"],
-    "--mlp-chunks-for-training": ["4"],  # Megatron-LM's name of it (issue 39)
     "--cpu-offloading-num-layers": ["1", "--recompute-granularity", "full"],
     "--attention-head-groups": ["2"],
     "--ds-sequence-parallel-fpdt": ["--ds-sequence-parallel-size", "2",
@@ -797,6 +796,9 @@ ALONE = {
     "--wandb-save-dir": ["runs/wandb", "--wandb-project", "p", "--wandb-exp-name", "e"],
     "--wandb-entity": ["team", "--wandb-project", "p", "--wandb-exp-name", "e", "--save",
                        "runs/ck"],
+    "--check-for-spiky-loss": [],
+    "--check-for-large-grads": [],
+    "--empty-unused-memory-level": ["2"],
     # issue 28: loss, checkpoint and loader
     "--calculate-per-token-loss": [],
     "--apply-layernorm-1p": [],

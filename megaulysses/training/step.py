@@ -27,6 +27,7 @@ from megaulysses.parallel.tensor import step_context as tp_step_context
 from megaulysses.parallel.zero import Zero
 from megaulysses.training.loss_weights import micro_batch_weights
 from megaulysses.training.optim import LossScaler
+from megaulysses.training.result_checks import ResultChecks
 from megaulysses.training.run import autocast
 
 
@@ -52,6 +53,15 @@ class StepResult:
     num_zeros: Optional[int] = None  # --log-num-zeros-in-grad: of the reduced gradients
 
 
+def empty_unused_memory(level: int, at: int) -> None:
+    """--empty-unused-memory-level: torch.cuda.empty_cache() where Megatron-LM calls it
+    (level >= 1 after the forward and backward passes of a training step and of each
+    evaluation iteration, >= 2 also after the optimizer step): the CUDA caching allocator
+    hands its unused blocks back to the device. Nothing to do without CUDA."""
+    if level >= at and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _on(b: dict, device) -> dict:
     """A micro-batch (tokens, position_ids, labels, loss_mask) moved to `device`."""
     return {k: v.to(device) for k, v in b.items()}
@@ -72,11 +82,15 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
                dtype: torch.dtype, comm: Comm, pipeline: Optional[Pipeline] = None,
                check_nan: bool = True, fault: Optional[Callable] = None,
                per_token_loss: bool = False, log_params_norm: bool = False,
-               log_num_zeros: bool = False) -> StepResult:
+               log_num_zeros: bool = False, checks: Optional[ResultChecks] = None,
+               iteration: int = 0, empty_cache_level: int = 0) -> StepResult:
     """One iteration. `check_nan`: a non-finite loss or gradient norm on any rank skips
     the step on every rank. `fault`: a test's injection, run on the gradients mid-step.
     `per_token_loss`: --calculate-per-token-loss (loss_weights.py). `log_params_norm`,
-    `log_num_zeros`: measure them too (the flags of those names). With
+    `log_num_zeros`: measure them too (the flags of those names). `checks`:
+    --check-for-spiky-loss / --check-for-large-grads, which may run the step `iteration`
+    again before the optimizer steps (result_checks.py). `empty_cache_level`:
+    --empty-unused-memory-level. With
     --log-timers-to-tensorboard (`comm.stats.timers` on) its forward, backward and
     optimizer phases are timed (under a pipeline also the schedule's p2p time between)."""
     timers = comm.stats.timers
@@ -85,16 +99,30 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
         # final factor, so the summed gradients are exactly those of the iteration's loss.
         weights, tokens = micro_batch_weights(batches, comm, device, per_token_loss)
         grad_scales = [scaler.scale * w for w in weights]
-        if pipeline is None:
-            loss_sum = _forward_backward(model, batches, grad_scales, device, dtype, zero,
-                                         timers)
-        else:
-            with autocast(device, dtype):
-                loss_sum = pipeline.step([_on(b, device) for b in batches], grad_scales)
-        with timers("optimizer", device.type):
-            norm, skipped, nonfinite, zeros = _finish_grads_and_step(
-                zero, scaler, clip_grad, comm, pipeline, math.isfinite(loss_sum), check_nan,
-                fault, count_zeros=log_num_zeros)
+        review = None
+        if checks is not None and checks.active:
+            checks.save_rng()  # a rerun draws the same dropout
+
+            def review(local_loss_sum: float, norm: float) -> bool:  # the logged loss
+                loss = global_sum(comm, local_loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
+                return checks.review(loss, norm, iteration)
+        outcome = None
+        while outcome is None:  # once, or twice where `checks` asks for a rerun
+            if pipeline is None:
+                loss_sum = _forward_backward(model, batches, grad_scales, device, dtype, zero,
+                                             timers)
+            else:
+                with autocast(device, dtype):
+                    loss_sum = pipeline.step([_on(b, device) for b in batches], grad_scales)
+            empty_unused_memory(empty_cache_level, 1)
+            with timers("optimizer", device.type):
+                outcome = _finish_grads_and_step(
+                    zero, scaler, clip_grad, comm, pipeline, loss_sum, check_nan, fault,
+                    count_zeros=log_num_zeros, review=review)
+            if outcome is None:
+                checks.restore_rng()
+        norm, skipped, nonfinite, zeros = outcome
+        empty_unused_memory(empty_cache_level, 2)
     # logged: the global per-token mean in either mode, as Megatron-LM logs it; a batch
     # with no loss tokens gives loss 0, not NaN
     loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
@@ -126,12 +154,15 @@ def _forward_backward(model, batches, grad_scales: list[float], device, dtype,
     return float(loss_sum)
 
 
-def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_finite: bool,
-                           check_nan: bool, fault=None, count_zeros: bool = False
-                           ) -> tuple[float, bool, bool, Optional[int]]:
+def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_sum: float,
+                           check_nan: bool, fault=None, count_zeros: bool = False,
+                           review: Optional[Callable[[float, float], bool]] = None
+                           ) -> Optional[tuple[float, bool, bool, Optional[int]]]:
     """Reduce gradients over dp x sp (and the tied pair), clip by the global norm and
     step, unless a loss or the norm is not finite on any rank: (norm, skipped, non-finite,
-    the zero gradient entries when `count_zeros`, else None).
+    the zero gradient entries when `count_zeros`, else None). None, with the gradients
+    cleared and nothing stepped, where `review(this rank's loss sum, norm)` asks for the
+    step to be run again.
     Every rank decides alike (one tiny all-reduce): a NaN that only one rank sees must not
     step the others alone."""
     zero.finish_grads()
@@ -142,7 +173,12 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_f
     excluded = _norm_excluded(pipeline)
     norm = unscale_and_clip(zero.grad_parts(excluded), 1.0 / scaler.scale, clip_grad, comm)
     zeros = num_zeros(zero.grad_parts(excluded), comm) if count_zeros else None
-    nonfinite = comm.any_rank(not (loss_finite and math.isfinite(norm)))
+    nonfinite = comm.any_rank(not (math.isfinite(loss_sum) and math.isfinite(norm)))
+    # reviewed even when not finite: a rerun's review reports what it found (a first
+    # run's non-finite values are never "large": --check-for-nan-in-loss-and-grad's)
+    if review is not None and review(loss_sum, norm):
+        zero.zero_grad()
+        return None
     # fp16 skips an overflow whatever --check-for-nan-in-loss-and-grad says: its loss
     # scale must fall
     skipped = nonfinite and (check_nan or isinstance(scaler, LossScaler))
@@ -156,7 +192,7 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_f
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, builder: BatchBuilder, first_sample: int, iters: int,
              device: torch.device, dtype: torch.dtype, comm: Comm,
-             pipeline: Optional[Pipeline] = None) -> float:
+             pipeline: Optional[Pipeline] = None, empty_cache_level: int = 0) -> float:
     """Token-weighted mean loss over `iters` global batches starting at `first_sample`.
     Its collectives are not counted: the logged bytes are those of training steps."""
     with tp_step_context(comm), comm.stats.paused():
@@ -169,6 +205,7 @@ def evaluate(model: torch.nn.Module, builder: BatchBuilder, first_sample: int, i
                 total += (pipeline.evaluate(batches) if pipeline is not None
                           else sum(_eval_micro(model, b) for b in batches))
             count += sum(float(b["loss_mask"].sum()) for b in batches)
+            empty_unused_memory(empty_cache_level, 1)
         model.train()
         total = global_sum(comm, total, device, (DP_SP, PP))
         return total / max(global_sum(comm, count, device), 1.0)

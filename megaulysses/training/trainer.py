@@ -19,6 +19,7 @@ from megaulysses.training.metrics import MetricsWriter, flops_per_iteration, pea
 from megaulysses.training.optim import LossScaler, LRSchedule, lr_bounds, set_lr
 from megaulysses.training.profiling import StepProfiler
 from megaulysses.training.report import IterationScalars, Window, iteration_record, log_startup
+from megaulysses.training.result_checks import ResultChecks
 from megaulysses.training.run import build_run
 from megaulysses.training.sampling import generate_text
 from megaulysses.training.saver import Saver
@@ -42,6 +43,8 @@ class Trainer:
         self.scaler = LossScaler(t) if t.fp16 else NoScaler()
         self.state = ckpt.TrainState()
         self.consecutive_skipped = 0
+        # --check-for-spiky-loss, --check-for-large-grads: a suspicious step runs again
+        self.checks = ResultChecks(t.check_for_spiky_loss, t.check_for_large_grads, self.rank)
         self.converted_from: Optional[dict] = None  # set by _load from an imported model
         self.saver = self._build_saver() if t.save else None
         log_startup(self.run)
@@ -214,7 +217,9 @@ class Trainer:
                            t.check_for_nan_in_loss_and_grad, fault,
                            per_token_loss=t.calculate_per_token_loss,
                            log_params_norm=self.cfg.log.log_params_norm,
-                           log_num_zeros=self.cfg.log.log_num_zeros_in_grad)
+                           log_num_zeros=self.cfg.log.log_num_zeros_in_grad,
+                           checks=self.checks, iteration=self.state.iteration + 1,
+                           empty_cache_level=t.empty_unused_memory_level)
         seconds = time.perf_counter() - t0
         self.state.iteration += 1
         self.state.consumed_train_samples += batch
@@ -255,7 +260,8 @@ class Trainer:
 
     def _eval(self, writer: MetricsWriter, split: str, data: BatchBuilder, first: int) -> float:
         loss = evaluate(self.model, data, first, self.cfg.train.eval_iters, self.device,
-                        self.dtype, self.comm, self.pipeline)
+                        self.dtype, self.comm, self.pipeline,
+                        empty_cache_level=self.cfg.train.empty_unused_memory_level)
         self.zero.reshard()  # ZeRO-2/3: parameters evaluation gathered are freed again
         log.info("%s loss at iteration %d: %.4f | ppl %.2f", split, self.state.iteration, loss,
                  math.exp(min(loss, 50.0)))
