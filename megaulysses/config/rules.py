@@ -350,9 +350,6 @@ def check_ring(dims: ParallelDims, m: ModelConfig) -> None:
         raise ConfigError("--sparse-block-size", f"{m.sparse_block_size} must divide the "
                           f"sequence chunk of each ring step, --seq-length / (2*cp) = "
                           f"{chunk}")
-    if m.attention_dropout:
-        raise ConfigError("--attention-dropout", "ring attention "
-                          "(--context-parallel-size > 1) has no attention dropout")
 
 
 def _validate_observability(log: LogConfig, save: Optional[str]) -> None:

@@ -40,8 +40,6 @@ def check_fpdt(dims: ParallelDims, m: ModelConfig, mem: MemoryConfig) -> None:
         return
     require(dims.sp > 1, flag, "needs Ulysses (--ds-sequence-parallel-size > 1)")
     require(dims.cp == 1, flag, "runs without ring attention (--context-parallel-size 1)")
-    require(m.attention_dropout == 0, flag, "has no attention dropout "
-            f"(--attention-dropout 0, got {m.attention_dropout})")
     require(mem.attention_head_groups == 1, flag, "and --attention-head-groups are two "
             "ways of cutting attention: use one")
     chunk = min(mem.ds_sequence_parallel_fpdt_chunk_size, m.seq_length)

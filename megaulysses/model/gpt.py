@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaulysses.config import ModelConfig
-from megaulysses.model.attention import AttentionCore, AttentionMask, mask_from_config, sdpa_attention
+from megaulysses.model.attention import (AttentionCore, AttentionDropout, AttentionMask,
+                                         mask_from_config, sdpa_attention)
 from megaulysses.model.ops import linear, linear_cross_entropy
 from megaulysses.model.layers import MLP, EmbeddingTable, Linear, build_norm, shared_input
 from megaulysses.model.rope import apply_rotary, rotary_angles
@@ -48,6 +49,7 @@ class SelfAttention(nn.Module):
         self.out = Linear(self.num_heads * d, h, bias=cfg.add_bias_linear)
         self.core = core  # (q, k, v, dropout_p, mask) -> out; replaced by the Ulysses wrapper
         self.dropout = cfg.attention_dropout
+        self.head_offset = 0  # global index of this module's first head (tensor parallel)
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
                 mask: Optional[AttentionMask] = None) -> torch.Tensor:
@@ -64,7 +66,10 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
-        dropout = self.dropout if self.training else 0.0
+        dropout = 0.0
+        if self.training and self.dropout:  # one key per call: every core, and a
+            # recomputation, draws this call's masks (model/attention/dropout.py)
+            dropout = AttentionDropout.draw(self.dropout, self.head_offset)
         if getattr(self.core, "takes_qkv", False):  # Ulysses, head groups: handed over, so
             # the core frees each sequence-sharded tensor once it has sent it (no other
             # reference here) instead of holding it beside its whole-sequence copy

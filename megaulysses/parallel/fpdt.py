@@ -39,7 +39,11 @@ Host traffic with `offload`: each kept chunk goes out once; forward and backward
 bring every k_j, v_j back C times, backward q_i, out_i, lse_i once, and each fp32
 accumulator C times each way.
 
-Limits: no attention dropout; no ring (contiguous slices, no zigzag); hq % P == 0, and
+Attention dropout: the block kernel (not the fused one) with the positional mask of
+model/attention/dropout.py over the rows' global positions and heads, so each (query,
+key) pair is dropped as in one process, in whichever chunk pair it is met.
+
+Limits: no ring (contiguous slices, no zigzag); hq % P == 0, and
 hkv and P divide one another; n % C == 0. The host copies are synchronous (pinned
 memory on CUDA): simple, not overlapped with compute.
 """
@@ -53,6 +57,7 @@ import torch
 from megaulysses.model.attention import AttentionMask
 from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
                                                partial_forward, plain_fused_kernel)
+from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 from megaulysses.parallel.host_memory import mark_host
@@ -80,14 +85,15 @@ class ChunkedUlyssesAttention:
                  dropout_p: float = 0.0, mask: Optional[AttentionMask] = None) -> torch.Tensor:
         return self.take([q, k, v], dropout_p, mask)
 
-    def take(self, qkv: list, dropout_p: float = 0.0,
+    def take(self, qkv: list, dropout_p: DropoutArg = 0.0,
              mask: Optional[AttentionMask] = None) -> torch.Tensor:
         """`qkv` = [q, k, v], emptied: the caller's last references. -> `[b, S/P, hq, d]`."""
-        if dropout_p:
-            raise ValueError("chunked Ulysses attention has no attention dropout")
         q, k, v = qkv.pop(0), qkv.pop(0), qkv.pop(0)
         self._check(q, k)
-        return _Chunked.apply(q, k, v, mask or AttentionMask(), self)
+        drop = as_dropout(dropout_p)
+        if drop is not None:  # this rank attends with the r-th of P chunks of the heads
+            drop = drop.shifted(self.comm.rank(self.dim) * (q.shape[2] // self.P))
+        return _Chunked.apply(q, k, v, mask or AttentionMask(), self, drop)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         hq, hkv, n, P, C = q.shape[2], k.shape[2], q.shape[1], self.P, self.chunks
@@ -104,14 +110,16 @@ class _Plan:
     """One call's chunk geometry, exchanges and host copies."""
 
     def __init__(self, core: ChunkedUlyssesAttention, q: torch.Tensor, k: torch.Tensor,
-                 mask: AttentionMask):
+                 mask: AttentionMask, dropout: Optional[AttentionDropout] = None):
         self.comm, self.dim, self.P, self.C = core.comm, core.dim, core.P, core.chunks
         self.offload, self.device = core.offload, q.device
         self.n = q.shape[1]  # S/P local tokens
         self.L = self.n // self.C
         layout_block = mask.layout.block if mask.layout is not None else None
         self.block = attention_block_size(self.L, layout_block=layout_block)
-        self.kernel = plain_fused_kernel(q, k, k, mask)  # None: the block kernel
+        # None: the block kernel; always under dropout (its positional mask, dropout.py)
+        self.kernel = plain_fused_kernel(q, k, k, mask) if dropout is None else None
+        self.dropout = dropout
         self.causal, self.scale = mask.causal, q.shape[-1] ** -0.5
         starts = torch.arange(self.P, device=q.device).view(-1, 1) * self.n  # [P, 1]
         t = torch.arange(self.L, device=q.device).view(1, -1)  # [1, L]
@@ -161,8 +169,9 @@ def _attend(plan: _Plan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
     for j, (k_j, v_j) in enumerate(kv):
         k_j, v_j = plan.fetch(k_j), plan.fetch(v_j)
         if plan.kernel is None:
+            # [b, P*L, hq/P, d] fp32, [b, hq/P, P*L]
             o, l = partial_forward(q_i, k_j, v_j, mask, plan.pos[i], plan.pos[j],
-                                   plan.block)  # [b, P*L, hq/P, d] fp32, [b, hq/P, P*L]
+                                   plan.block, dropout=plan.dropout)
         else:
             o, l = _fused_forward(plan, q_i, k_j, v_j, i, j)
         out, lse = (o, l) if out is None else merge(out, lse, o, l)  # in place, fp32
@@ -259,8 +268,9 @@ def _sum_repeats(t: torch.Tensor, hkv: int) -> torch.Tensor:
 class _Chunked(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention):
-        plan = _Plan(core, q, k, mask)
+    def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention,
+                dropout: Optional[AttentionDropout]):
+        plan = _Plan(core, q, k, mask, dropout)  # backward reuses it: the same masks
         kv = [tuple(plan.keep(plan.to_heads(repeat_kv_heads(t[:, plan.rows(j)], plan.P)))
                     for t in (k, v))
               for j in range(plan.C)]  # C x (k_j, v_j) [b, P*L, hkv/P, d]
@@ -305,7 +315,7 @@ class _Chunked(torch.autograd.Function):
                 g[:, plan.rows(j)] = _sum_repeats(plan.to_sequence(part), g.shape[2])
                 del part
             grads.append(g)
-        return dq, grads[0], grads[1], None, None
+        return dq, grads[0], grads[1], None, None, None
 
 
 def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, dout, kv: list, acc: list,
@@ -319,7 +329,8 @@ def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, dout, kv: list, acc: list,
         k_j, v_j = plan.fetch(k_j), plan.fetch(v_j)
         if plan.kernel is None:
             dq_ij, dk, dv = partial_backward(q_i, k_j, v_j, out_i, lse_i, do_i, delta, mask,
-                                             plan.pos[i], plan.pos[j], plan.block)  # fp32
+                                             plan.pos[i], plan.pos[j], plan.block,
+                                             plan.dropout)  # fp32
         else:
             dq_ij, dk, dv = _fused_backward(plan, q_i, k_j, v_j, out_i, lse_i, do_i, i, j)
         del k_j, v_j

@@ -37,9 +37,11 @@ heads); masks (passed unchanged); tensor parallelism (the rank's local heads: q,
 plain tensors here); selective recomputation (the group's checkpoint already recomputes
 the core: its RecomputedCore is unwrapped, no core runs three times); full recomputation
 (a checkpoint inside the block's: parallelize.py turns the block's early stop off, as for
-the tiled MLP, see recompute.py); attention dropout (a checkpoint restores the RNG: the
-recomputation draws the same masks, though not the same as the ungrouped layer, whose
-core draws for all heads at once); pipeline and ZeRO-3 (a group holds no parameters:
+the tiled MLP, see recompute.py); attention dropout (one key per layer, each group's
+heads shifted to their global index: the positional masks of dropout.py, the ungrouped
+layer's exactly, and its recomputation's; a fused kernel's own dropout, SDPA's or
+flash's, draws by its own RNG, the same again in recomputation, whose checkpoint restores
+the RNG, but not the ungrouped layer's masks); pipeline and ZeRO-3 (a group holds no parameters:
 FSDP's hooks never see it).
 """
 
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from megaulysses.model.attention.dropout import as_dropout
 from megaulysses.parallel.recompute import RecomputedCore
 from megaulysses.parallel.ulysses import UlyssesAttention
 
@@ -109,6 +112,12 @@ class HeadGroups:
         q = qkv.pop(0)
         hq, hkv = q.shape[2], qkv[0].shape[2]
         n = hq // (P * G)  # q heads of a group on a rank
+        # One key for the layer, drawn here (not once per group): group g on Ulysses rank r
+        # attends heads r * hq/P + g * n + (0..n-1), and its dropout is shifted there, so
+        # its mask is the ungrouped layer's for those heads (dropout.py).
+        drop = as_dropout(dropout_p)
+        first = self.exchange.comm.rank(self.exchange.dim) * (hq // P) if self.exchange \
+            else 0
         qs = q.unflatten(2, (P, G, n)).unbind(3)  # G views [b, s, P, n, d]
         del q
         kv_r = max(hkv, P) // P  # kv heads the rank attends with
@@ -123,7 +132,8 @@ class HeadGroups:
         qkv.clear()
         outs = []
         for g in range(G):
-            args = (qs[g], ks[g], vs[g], whole, dropout_p, mask)
+            group_drop = drop.shifted(first + g * n) if drop is not None else 0.0
+            args = (qs[g], ks[g], vs[g], whole, group_drop, mask)
             if torch.is_grad_enabled():
                 # Its own recomputation stops at the core's last saved tensor (the output
                 # exchange saves nothing, so it is not sent again); nested in a block's

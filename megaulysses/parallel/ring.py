@@ -15,7 +15,11 @@ by their log-sum-exp (online softmax, `merge`, exact to fp32 rounding). A step r
     causal square (its own keys) or one full rectangle (`fused_step`), one kernel call,
     chosen from Python integers (no host sync);
   - else the block kernel (model/attention/block.py: only the blocks the mask reaches, in
-    global positions, so windows, documents and sparse layouts skip whole blocks here too).
+    global positions, so windows, documents and sparse layouts skip whole blocks here too),
+    and always under attention dropout: the mask of model/attention/dropout.py, a hash of
+    global head and positions, so the ring drops exactly what one process drops. Each
+    partial is dropped after its row sum (lse of the undropped softmax), so the merge by
+    lse stays exact.
 Backward is the flash-attention decomposition over the same steps (each kernel's backward
 given the final out and lse returns its key set's share): each step's key/value gradients
 travel with an accumulator that arrives back at its owner after C passes.
@@ -40,6 +44,7 @@ import torch
 from megaulysses.model.attention import AttentionMask
 from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
                                                partial_forward, plain_fused_kernel)
+from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
 from megaulysses.model.attention.fused import FusedKernel
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import CP
@@ -82,10 +87,9 @@ class RingAttention:
     def __init__(self, comm: Comm, dim: str = CP):
         self.comm, self.dim = comm, dim
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):  # [b, S/C, h, d]
-        if dropout_p:
-            raise ValueError("ring attention has no attention dropout")
-        return _Ring.apply(q, k, v, mask or AttentionMask(), self.comm, self.dim)
+    def __call__(self, q, k, v, dropout_p: DropoutArg = 0.0, mask=None):  # [b, S/C, h, d]
+        return _Ring.apply(q, k, v, mask or AttentionMask(), self.comm, self.dim,
+                           as_dropout(dropout_p))
 
 
 def _setup(q, mask: AttentionMask, comm: Comm, dim: str):
@@ -99,9 +103,11 @@ def _setup(q, mask: AttentionMask, comm: Comm, dim: str):
 class _Ring(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: AttentionMask, comm: Comm, dim: str):
-        kernel = plain_fused_kernel(q, k, v, mask)
-        step = _steps(q, mask, comm, dim, kernel)
+    def forward(ctx, q, k, v, mask: AttentionMask, comm: Comm, dim: str,
+                dropout: Optional[AttentionDropout]):
+        # dropout: the block kernel's positional mask (the fused kernels cannot apply it)
+        kernel = plain_fused_kernel(q, k, v, mask) if dropout is None else None
+        step = _steps(q, mask, comm, dim, kernel, dropout)
         out, lse = None, None
         kv = [k, v]
         for t in range(step.C):
@@ -119,13 +125,14 @@ class _Ring(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.comm, ctx.dim, ctx.kernel = mask, comm, dim, kernel
+        ctx.dropout = dropout  # backward draws the same masks again
         return out
 
     @staticmethod
     def backward(ctx, dout):  # dout [b, S/C, hq, d]
         q, k, v, out, lse = ctx.saved_tensors
         mask, comm, dim, kernel = ctx.mask, ctx.comm, ctx.dim, ctx.kernel
-        step = _steps(q, mask, comm, dim, kernel)
+        step = _steps(q, mask, comm, dim, kernel, ctx.dropout)
         step.start_backward(dout, out, lse)
         dq = None
         kv, grads = [k, v], None
@@ -150,15 +157,16 @@ class _Ring(torch.autograd.Function):
         del kv
         dk, dv = grads.wait()
         del grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 ALL = slice(None)
 
 
-def _steps(q, mask: AttentionMask, comm: Comm, dim: str, kernel: Optional[FusedKernel]):
+def _steps(q, mask: AttentionMask, comm: Comm, dim: str, kernel: Optional[FusedKernel],
+           dropout: Optional[AttentionDropout] = None):
     return (_FusedSteps(q, mask, comm, dim, kernel) if kernel is not None
-            else _BlockSteps(q, mask, comm, dim))
+            else _BlockSteps(q, mask, comm, dim, dropout))
 
 
 def _merge_rows(out, lse, rows: slice, o, l):
@@ -230,10 +238,13 @@ class _FusedSteps:
 
 class _BlockSteps:
     """Ring steps on the block kernel (model/attention/block.py): only the blocks the mask
-    reaches, in global positions, for any mask."""
+    reaches, in global positions, for any mask; attention dropout by the positional mask
+    of the queries' and keys' global positions (model/attention/dropout.py), so each
+    (query, key) pair is dropped as in one process whichever step meets it."""
 
-    def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str):
-        self.q, self.mask = q, mask
+    def __init__(self, q, mask: AttentionMask, comm: Comm, dim: str,
+                 dropout: Optional[AttentionDropout] = None):
+        self.q, self.mask, self.dropout = q, mask, dropout
         self.C, self.c, self.S, self.block, self.qi = _setup(q, mask, comm, dim)
 
     def _keys(self, t: int) -> torch.Tensor:
@@ -241,7 +252,7 @@ class _BlockSteps:
 
     def forward(self, t: int, kv):
         o, l = partial_forward(self.q, kv[0], kv[1], self.mask, self.qi, self._keys(t),
-                               self.block)  # [b, S/C, hq, d] fp32
+                               self.block, dropout=self.dropout)  # [b, S/C, hq, d] fp32
         return ALL, o, l
 
     def start_backward(self, dout, out, lse):
@@ -253,7 +264,7 @@ class _BlockSteps:
         # fp32, contiguous: dk and dv become the accumulators sent on (no copies)
         dq, dk, dv = partial_backward(self.q, kv[0], kv[1], self.out, self.lse, self.dout,
                                       self.delta, self.mask, self.qi, self._keys(t),
-                                      self.block)
+                                      self.block, self.dropout)
         return ALL, dq, ALL, dk, dv
 
 

@@ -58,6 +58,9 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     seq = Shard(1) if sequence_parallel else Replicate()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        # its heads are the tp rank's share: attention dropout's masks are per global head
+        block.attn.head_offset = tp_mesh.get_local_rank() * (block.attn.num_heads
+                                                              // tp_mesh.size())
     if model.embed is not None:
         # Vocab-parallel lookup, summed over tp; with SP the block input is then this
         # rank's sequence slice (after the learned positions were added, whole).

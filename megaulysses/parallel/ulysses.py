@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megaulysses.model.attention import AttentionCore
+from megaulysses.model.attention.dropout import DropoutArg, as_dropout
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 
@@ -57,11 +58,16 @@ class UlyssesAttention:
         # q [b, S/P, hq, d], k/v [b, S/P, hkv, d] -> [b, S/P, hq, d]
         return self.take([q, k, v], dropout_p, mask)
 
-    def take(self, qkv: list, dropout_p: float = 0.0, mask=None) -> torch.Tensor:
+    def take(self, qkv: list, dropout_p: DropoutArg = 0.0, mask=None) -> torch.Tensor:
         """`qkv` = [q, k, v], emptied: the caller's last references."""
+        # this rank attends with the r-th of P chunks of the heads: its dropout's head 0 is
+        # the chunk's first (dropout.py: the mask is that of the same global head)
+        drop = as_dropout(dropout_p)
+        if drop is not None:
+            drop = drop.shifted(self.comm.rank(self.dim) * (qkv[0].shape[2] // self.P))
         q = self.to_heads(qkv.pop(0))  # [b, S, hq/P, d]
         k, v = self.kv_to_heads(qkv)  # [b, S, max(hkv, P)/P, d]
-        out = self.core(q, k, v, dropout_p, mask)  # [b, S, hq/P, d]
+        out = self.core(q, k, v, drop or 0.0, mask)  # [b, S, hq/P, d]
         del q, k, v  # what the core saved for backward stays; no_grad: freed here
         return self.to_sequence(out)  # [b, S/P, hq, d]
 

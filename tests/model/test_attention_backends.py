@@ -22,13 +22,15 @@ def test_auto_on_cpu_picks_the_block_kernel_for_masks():
     assert select_backend("auto", CPU, mask=WINDOW)[0] == "block"
     assert select_backend("auto", CPU, documents=True)[0] == "block"
     assert select_backend("math", CPU, mask=SPARSE)[0] == "math"
+    # attention dropout: the block kernel's positional mask, whatever the mask
+    assert select_backend("auto", CPU, dropout=0.1)[0] == "block"
+    assert select_backend("auto", CPU, mask=SPARSE, dropout=0.1)[0] == "block"
+    assert select_backend("block", CPU, dropout=0.1)[0] == "block"
 
 
 @pytest.mark.parametrize("name,mask,documents,dropout,words", [
     ("sdpa", WINDOW, False, 0.0, "--window-size: the sdpa attention backend cannot run it"),
     ("sdpa", AttentionMask(), True, 0.0, "--reset-attention-mask: the sdpa"),
-    ("block", AttentionMask(), False, 0.1, "--attention-dropout: the block"),
-    ("auto", SPARSE, False, 0.1, "--attention-dropout: the block"),
     ("flex", WINDOW, False, 0.0, "--attention-backend: flex needs CUDA"),
     ("flash", AttentionMask(), False, 0.0, "--attention-backend: flash needs CUDA"),
 ])

@@ -34,14 +34,12 @@ CASES = [  # (world, extra flags, words the message must hold)
          "36"], ["--context-parallel-size", "2*cp*sp = 2*2*2"]),
     (2, ["--context-parallel-size", "2", "--attention-sparsity", "fixed",
          "--sparse-block-size", "16"], ["--sparse-block-size", "(2*cp) = 8"]),
-    (2, ["--context-parallel-size", "2", "--attention-dropout", "0.1"],
-     ["--attention-dropout", "ring attention"]),
     (8, ["--context-parallel-size", "2", "--ds-sequence-parallel-size", "4",
          "--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups", "3",
          "--seq-length", "48"], ["kv heads", "sp = 4"]),
 ]
 IDS = ["world", "heads", "kv-groups", "seq", "batch", "tp-kv-groups", "megatron-sp-seq",
-       "cp-world", "cp-seq", "cp-sparse-block", "cp-dropout", "cp-kv-groups"]
+       "cp-world", "cp-seq", "cp-sparse-block", "cp-kv-groups"]
 
 
 def grid_error(world: int, flags: list) -> str:
@@ -91,7 +89,7 @@ MASK_BACKEND_CASES = [  # (flags, words): a mask the chosen backend cannot run
      ["--reset-attention-mask", "sdpa"]),
     (["--attention-sparsity", "bigbird", "--sparse-block-size", "8", "--attention-backend",
       "flash"], ["--attention-backend", "flash"]),
-    (["--window-size", "8", "--attention-dropout", "0.1"], ["--attention-dropout", "block"]),
+    (["--window-size", "8", "--attention-dropout", "1.0"], ["--attention-dropout", "[0, 1)"]),
     (["--attention-sparsity", "fixed", "--sparse-block-size", "12"],
      ["--sparse-block-size", "--seq-length 32"]),
     (["--attention-sparsity", "fixed", "--sparse-local-blocks", "2", "--sparse-global-blocks",

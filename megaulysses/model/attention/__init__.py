@@ -13,7 +13,8 @@ A mask (mask.py) is stated in global token positions of the whole sample, so the
 Backends (`BACKENDS` in backends.py, the one list; `--attention-backend`):
     math   explicit scores, dense [s, s] mask, fp32 softmax: the reference; any mask
     block  by blocks of queries and keys, skipping blocks the mask excludes (flash-style
-           backward, nothing [s, s] kept): any mask, no dropout; `auto` on CPU
+           backward, nothing [s, s] kept): any mask, dropout by a positional hash;
+           `auto` on CPU
     sdpa   torch SDPA, causal only
     flash  the flash_attn package (CUDA, 16-bit): causal and window
     flex   torch flex_attention (CUDA): any mask, through a block mask
@@ -25,6 +26,9 @@ and the others, and backward's recomputation, reuse it (no per-layer host syncs)
 
 The modules, each importing only those above it:
     mask.py          AttentionMask, SparseLayout, the block kinds, mask_from_config
+    dropout.py       AttentionDropout: the dropout mask as a hash of (key, sample, global
+                     head, global query and key positions), the same however a grid cuts
+                     the computation; `dropout_p` of a core is a float or one of these
     fused.py         fused kernels with log-sum-exp (flash-attn, torch's fused SDPA ops):
                      one call per step for plain causal or full masks
     block.py         the block kernel (masked_block_attention, the ring's partials, merge)
@@ -40,6 +44,7 @@ from megaulysses.model.attention.backends import (BACKEND_CHOICES, BACKENDS, Bac
                                                   select_backend)
 from megaulysses.model.attention.block import (attention_block_size, computed_pairs,
                                                masked_block_attention)
+from megaulysses.model.attention.dropout import AttentionDropout, as_dropout, dropout_prob
 from megaulysses.model.attention.fused import fused_kernel
 from megaulysses.model.attention.kernels import (CPU_BLOCK_MAX_SEQ, FLEX_BLOCK, AttentionCore,
                                                  block_attention, cpu_attention,
@@ -54,6 +59,8 @@ __all__ = [
     # mask.py
     "SPARSITIES", "SKIP", "PARTIAL", "FULL", "SparseLayout", "AttentionMask",
     "mask_from_config",
+    # dropout.py
+    "AttentionDropout", "as_dropout", "dropout_prob",
     # fused.py
     "fused_kernel",
     # block.py

@@ -32,7 +32,7 @@ class Backend:
 
 BACKENDS = {
     "math": Backend(math_attention, ("window", "documents", "sparse"), dropout=True),
-    "block": Backend(block_attention, ("window", "documents", "sparse"), dropout=False),
+    "block": Backend(block_attention, ("window", "documents", "sparse"), dropout=True),
     "sdpa": Backend(sdpa_attention, (), dropout=True),
     "flash": Backend(flash_attention, ("window", "documents"), dropout=True, cuda_only=True,
                      half_only=True),
@@ -66,19 +66,26 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
     the backend) where the backend cannot run it.
 
     `auto`: CUDA: flash_attn (16-bit, where installed and the mask allows), else flex for
-    masks, else SDPA. CPU: name "sdpa" with `cpu_attention`, which uses explicit attention by
-    query blocks where that is faster (fp32, no dropout, s <= CPU_BLOCK_MAX_SEQ), torch
-    SDPA otherwise, and the block backend for any mask but plain causal.
+    masks (the block backend with attention dropout: flex has none), else SDPA. CPU:
+    `cpu_attention`, named "sdpa", which uses explicit attention by query blocks where
+    that is faster (fp32, s <= CPU_BLOCK_MAX_SEQ), torch SDPA otherwise; named "block"
+    for any mask but plain causal, and for attention dropout (dropout.py's positional
+    mask: every grid draws what one process draws).
+    Attention dropout on flash or SDPA comes from their own RNG: logged, as no grid then
+    equals one process.
     """
     mask = mask or AttentionMask()
     wanted = mask_features(mask, documents)
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = _auto(device, half, [f for f, _ in wanted])
+        name = _auto(device, half, [f for f, _ in wanted], dropout)
         if name == "cpu":
-            name = "block" if wanted else "sdpa"
+            name = "block" if wanted or dropout else "sdpa"
             _check(name, BACKENDS[name], device, half, wanted, dropout)
-            if wanted:
+            if dropout:
+                log.info("attention backend: auto -> block (CPU, attention dropout %g by a "
+                         "positional hash: the same masks on every grid)", dropout)
+            elif wanted:
                 log.info("attention backend: auto -> block (CPU, the mask's blocks only)")
             else:
                 log.info("attention backend: auto -> sdpa (CPU: query-block explicit "
@@ -90,15 +97,24 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
         log.info("attention backend: %s", name)
     backend = BACKENDS[name]
     _check(name, backend, device, half, wanted, dropout)
+    if dropout and name in ("sdpa", "flash"):
+        log.info("attention dropout %g from the %s kernel's own RNG: no grid equals one "
+                 "process (--attention-backend block or math: a positional mask that does)",
+                 dropout, name)
+    elif dropout:
+        log.info("attention dropout %g by a positional hash (model/attention/dropout.py)",
+                 dropout)
     return name, backend.core
 
 
-def _auto(device: torch.device, half: bool, wanted: list[str]) -> str:
+def _auto(device: torch.device, half: bool, wanted: list[str], dropout: float = 0.0) -> str:
     if device.type != "cuda":
         return "cpu"
     if half and flash_available(device) and set(wanted) <= set(BACKENDS["flash"].masks):
         return "flash"
-    return "flex" if wanted else "sdpa"
+    if wanted:
+        return "block" if dropout else "flex"
+    return "sdpa"
 
 
 def _check(name: str, backend: Backend, device, half: bool, wanted, dropout: float):

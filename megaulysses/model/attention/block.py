@@ -46,6 +46,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from megaulysses.model.attention.dropout import AttentionDropout
 from megaulysses.model.attention.fused import FusedKernel, fused_kernel
 from megaulysses.model.attention.mask import PARTIAL, SKIP, AttentionMask
 
@@ -169,19 +170,32 @@ def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor]) -
     return scores
 
 
+def _dropped(dropout: AttentionDropout, samples: slice, b: int, hkv: int, rep: int,
+             q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """bool `[b', hkv, block * rep, K]`, True where dropped: the grouped rows of positions
+    q_pos for the samples, against key positions k_pos (global: block.py's callers' qi, kj)."""
+    idx = torch.arange(b, device=q_pos.device)[samples]  # [b'] sample indices
+    return dropout.dropped(dropout.grouped_rows(idx, hkv, rep, q_pos), k_pos)
+
+
 # ---- partials ----------------------------------------------------------------------------
 
 
 def partial_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                     qi: torch.Tensor, kj: torch.Tensor, block: int,
-                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype = torch.float32,
+                    dropout: Optional[AttentionDropout] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q rows (positions qi) over one key set (positions kj), no autograd.
 
     q `[b, sq, hq, d]`, k and v `[b, sk, hkv, d]`. Returns out `[b, sq, hq, d]` (contiguous,
     `out_dtype`: each block's fp32 result cast as it is stored), normalized over this set's
     allowed keys (0 for rows with none), and lse `[b, hq, sq]` fp32 (-inf for rows with
     none). One query block's scores are alive at a time (under a half dtype also their
-    cast for the matmul, the fp32 ones freed first)."""
+    cast for the matmul, the fp32 ones freed first).
+
+    `dropout`: the probabilities are dropped after their row sum is taken (lse is that of
+    the undropped softmax), so partials over disjoint key sets still merge exactly."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
@@ -200,6 +214,8 @@ def partial_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         top.masked_fill_(top == float("-inf"), 0.0)  # rows with no key: exp(-inf) = 0 below
         p = scores.sub_(top).exp_()  # [b', hkv, R, K], unnormalized
         total = p.sum(dim=-1, keepdim=True)  # [b', hkv, R, 1]: >= 1 (the max) or 0
+        if dropout is not None:  # after the sum: the softmax's normalizer is undropped
+            dropout.apply_(p, _dropped(dropout, samples, b, hkv, rep, qi[pos], kj[keys]))
         vb = _take(vg[samples], keys)  # [b', hkv, K, d]
         p = p.to(vb.dtype)  # the matmul's operand; the fp32 probabilities go (half dtype)
         del scores
@@ -214,7 +230,8 @@ def partial_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
 def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, dout: torch.Tensor, delta: Optional[torch.Tensor],
                      mask: AttentionMask, qi: torch.Tensor, kj: torch.Tensor,
-                     block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     block: int, dropout: Optional[AttentionDropout] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key set's share of the gradients, fp32 and contiguous: (dq `[b, sq, hq, d]`, dk
     and dv `[b, sk, hkv, d]`).
 
@@ -222,7 +239,11 @@ def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     `[b, sq, hq, d]`; delta `[b, hq, sq]` = rowsum(dout * out) (computed from out if None).
     P = exp(S / sqrt(d) - lse), dV = P^T dO, dS = P (dO V^T - delta), dQ = dS K / sqrt(d),
     dK = dS^T Q / sqrt(d). One query block's P and dS are alive at a time (P freed once dS
-    is made; under a half dtype dS is cast once for both matmuls, the fp32 one freed)."""
+    is made; under a half dtype dS is cast once for both matmuls, the fp32 one freed).
+
+    With `dropout` (the forward's, so the same mask is drawn again) and D its scaled keep
+    mask: O = (P * D) V, so dV = (P * D)^T dO and dS = P (D (dO V^T) - delta); delta =
+    rowsum(dO * O) still equals rowsum(P * D (dO V^T))."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
@@ -246,9 +267,18 @@ def partial_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         qb_, do = qg[samples, :, rows], dog[samples, :, rows]  # [b', hkv, R, d]
         kb, vb = _take(kg[samples], keys), _take(vg[samples], keys)  # [b', hkv, K, d]
         p = _scores(qb_, kb, allowed).sub_(lseg[samples, :, rows]).exp_()  # [b', hkv, R, K]
-        _put(dv_g[samples], keys, _mm(p.transpose(2, 3), do))  # [b', hkv, K, d]
-        ds = _mm(do, vb.transpose(2, 3)).sub_(deltag[samples, :, rows]).mul_(p)  # [b', hkv, R, K]
-        del p
+        if dropout is None:
+            _put(dv_g[samples], keys, _mm(p.transpose(2, 3), do))  # [b', hkv, K, d]
+            dp = _mm(do, vb.transpose(2, 3))  # [b', hkv, R, K]
+        else:
+            dropped = _dropped(dropout, samples, b, hkv, rep, qi[pos], kj[keys])
+            kept = dropout.apply_(p.clone(), dropped)  # P * D
+            _put(dv_g[samples], keys, _mm(kept.transpose(2, 3), do))  # [b', hkv, K, d]
+            del kept
+            dp = dropout.apply_(_mm(do, vb.transpose(2, 3)), dropped)  # D * (dO V^T)
+            del dropped
+        ds = dp.sub_(deltag[samples, :, rows]).mul_(p)  # [b', hkv, R, K]
+        del p, dp
         if kb.dtype == qb_.dtype:  # cast once for both matmuls (half: the fp32 dS goes)
             ds = ds.to(kb.dtype)
         n = ds.shape[0]
@@ -281,13 +311,15 @@ class _MaskedBlockAttention(torch.autograd.Function):
     Saves q, k, v, out, lse; backward recomputes the scores block by block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: AttentionMask, block: int):
+    def forward(ctx, q, k, v, mask: AttentionMask, block: int,
+                dropout: Optional[AttentionDropout]):
         pos = torch.arange(q.shape[1], device=q.device)
         # out in q's dtype (each block cast as it is stored), contiguous: saved here, it is
         # the very tensor the out projection reads
-        out, lse = partial_forward(q, k, v, mask, pos, pos, block, out_dtype=q.dtype)
+        out, lse = partial_forward(q, k, v, mask, pos, pos, block, out_dtype=q.dtype,
+                                   dropout=dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.block = mask, block
+        ctx.mask, ctx.block, ctx.dropout = mask, block, dropout  # the mask is drawn again
         return out  # [b, s, hq, d]
 
     @staticmethod
@@ -295,8 +327,8 @@ class _MaskedBlockAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         pos = torch.arange(q.shape[1], device=q.device)
         dq, dk, dv = partial_backward(q, k, v, out, lse, dout, None, ctx.mask, pos, pos,
-                                      ctx.block)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                                      ctx.block, ctx.dropout)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -331,15 +363,17 @@ def plain_fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def masked_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: AttentionMask) -> torch.Tensor:
-    """Attention core for any mask, no dropout: q `[b, s, hq, d]`, k and v `[b, s, hkv, d]`
-    -> `[b, s, hq, d]` in q's dtype. A plain causal or full mask runs on the fused kernel
-    where there is one (on CPU, forward + backward at s = 1024-4096: 1.5-1.6x the blocks'
-    speed in fp32, 2.5-2.8x in bf16; benchmarks/ring_step.py's causal step is this call),
-    every other mask on the blocks."""
-    kernel = plain_fused_kernel(q, k, v, mask)
+                           mask: AttentionMask,
+                           dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
+    """Attention core for any mask: q `[b, s, hq, d]`, k and v `[b, s, hkv, d]` -> `[b, s,
+    hq, d]` in q's dtype. A plain causal or full mask without dropout runs on the fused
+    kernel where there is one (on CPU, forward + backward at s = 1024-4096: 1.5-1.6x the
+    blocks' speed in fp32, 2.5-2.8x in bf16; benchmarks/ring_step.py's causal step is this
+    call), every other mask, and any with `dropout` (dropout.py's positional mask, which
+    the fused kernels cannot apply), on the blocks."""
+    kernel = plain_fused_kernel(q, k, v, mask) if dropout is None else None
     if kernel is not None:
         return _FusedAttention.apply(q, k, v, mask.causal, kernel)
     layout_block = mask.layout.block if mask.layout is not None else None
     block = attention_block_size(q.shape[1], layout_block=layout_block)
-    return _MaskedBlockAttention.apply(q, k, v, mask, block)
+    return _MaskedBlockAttention.apply(q, k, v, mask, block, dropout)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from megaulysses.model.attention.block import masked_block_attention
 from megaulysses.model.attention.block_causal import block_causal_attention
+from megaulysses.model.attention.dropout import DropoutArg, as_dropout, dropout_prob
 from megaulysses.model.attention.mask import FULL, PARTIAL, SKIP, AttentionMask, SparseLayout
 
 if TYPE_CHECKING:
@@ -31,9 +32,11 @@ if TYPE_CHECKING:
 AttentionCore = Callable[..., torch.Tensor]  # (q, k, v, dropout_p=0.0, mask=None) -> out
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   dropout_p: DropoutArg = 0.0,
                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
-    """The plain reference: explicit scores, dense mask and softmax in fp32."""
+    """The plain reference: explicit scores, dense mask and softmax in fp32; dropout by
+    dropout.py's positional mask (the one every other kernel with it draws)."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)  # [b, s, hq, d]: kv head j serves q heads j*rep..
@@ -43,14 +46,21 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     allowed = (mask or AttentionMask()).allows(pos, pos).unsqueeze(1)  # [b|1, 1, s, s]
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
     probs = probs.nan_to_num(0.0)  # a row with nothing allowed (never in a causal mask)
-    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    drop = as_dropout(dropout_p)
+    if drop is not None:  # [b, hq, s, s]: sample, head, query, key
+        rows = drop.rows(torch.arange(b, device=q.device), torch.arange(hq, device=q.device),
+                         pos)
+        probs = probs.masked_fill(drop.dropped(rows, pos), 0.0) * drop.scale
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
     return out.to(q.dtype)  # [b, s, hq, d]
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   dropout_p: DropoutArg = 0.0,
                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
-    """torch SDPA: flash-style kernels on CPU and CUDA (no s x s matrix for causal)."""
+    """torch SDPA: flash-style kernels on CPU and CUDA (no s x s matrix for causal).
+    Dropout from SDPA's own RNG (the device's generator, its element order): not the
+    positional mask, so no grid equals one process with it."""
     _require_causal(mask, "sdpa")
     hq, d = q.shape[2:]
     hkv = k.shape[2]
@@ -60,8 +70,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
         k, v = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))  # [b, s, hq, d]
         gqa = False
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                         enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_prob(dropout_p),
+                                         is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)  # [b, s, hq, d]
 
 
@@ -81,12 +91,12 @@ def sdpa_repeats_kv(device_type: str, dtype: torch.dtype, hq: int, hkv: int,
     return not flash_runs
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    dropout_p: DropoutArg = 0.0,
                     mask: Optional[AttentionMask] = None) -> torch.Tensor:
-    """Blocks of queries x keys, only those the mask reaches (block.py)."""
-    if dropout_p:
-        raise ValueError("the block attention backend has no dropout")
-    return masked_block_attention(q, k, v, mask or AttentionMask())
+    """Blocks of queries x keys, only those the mask reaches (block.py); dropout by the
+    positional mask (dropout.py)."""
+    return masked_block_attention(q, k, v, mask or AttentionMask(), as_dropout(dropout_p))
 
 
 # Up to this length, on CPU in fp32, explicit attention by query blocks beats SDPA's CPU flash
@@ -96,16 +106,20 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 CPU_BLOCK_MAX_SEQ = 1024
 
 
-def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  dropout_p: DropoutArg = 0.0,
                   mask: Optional[AttentionMask] = None) -> torch.Tensor:
-    """`auto` on CPU. Plain causal: block_causal_attention for fp32, no dropout, moderate
-    s, else SDPA. Any other mask: the block backend (skips the blocks the mask excludes)."""
-    if mask is not None and not mask.is_causal:
+    """`auto` on CPU. Plain causal without dropout: block_causal_attention for fp32 and
+    moderate s, else SDPA. Any other mask, and any attention dropout: the block backend
+    (skips the blocks the mask excludes; dropout by the positional mask, so a grid equals
+    one process, where CPU SDPA's own dropout would run its math path and draw from the
+    CPU generator in its own order)."""
+    if (mask is not None and not mask.is_causal) or dropout_p:
         return block_attention(q, k, v, dropout_p, mask)
-    if (q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0
+    if (q.device.type == "cpu" and q.dtype == torch.float32
             and q.shape[1] <= CPU_BLOCK_MAX_SEQ):
         return block_causal_attention(q, k, v)
-    return sdpa_attention(q, k, v, dropout_p)
+    return sdpa_attention(q, k, v)
 
 
 def _flash_attn_funcs():
@@ -116,11 +130,14 @@ def _flash_attn_funcs():
     return flash_attn_func, flash_attn_varlen_func
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    dropout_p: DropoutArg = 0.0,
                     mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """The flash_attn package (CUDA, fp16/bf16): [b, s, h, d], GQA, causal, window; packed
     documents through its varlen kernel (the batch flattened, one sequence per document),
-    with cu_seqlens made once per batch (`flash_varlen_args`): no host sync per layer."""
+    with cu_seqlens made once per batch (`flash_varlen_args`): no host sync per layer.
+    Dropout from flash-attn's own RNG (the CUDA generator): no grid equals one process."""
+    dropout_p = dropout_prob(dropout_p)
     mask = mask or AttentionMask()
     if mask.layout is not None:
         raise ValueError("the flash backend has no block-sparse layouts")
@@ -164,7 +181,8 @@ def document_cu_seqlens(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   dropout_p: DropoutArg = 0.0,
                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """torch flex_attention (CUDA): the mask as a mask_mod, fully masked blocks skipped by
     its block mask (`flex_block_mask`: made once per batch, never an s x s tensor).
