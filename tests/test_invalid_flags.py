@@ -741,6 +741,7 @@ ALONE = {
     "--recompute-method": ["block", "--recompute-granularity", "full"],
     "--recompute-num-layers": ["2", "--recompute-granularity", "full"],
     "--tiled-mlp-chunks": ["4"],
+    "--mlp-chunks-for-training": ["4"],  # Megatron-LM's name of it (issue 39)
     "--cpu-offloading-num-layers": ["1", "--recompute-granularity", "full"],
     "--attention-head-groups": ["2"],
     "--ds-sequence-parallel-fpdt": ["--ds-sequence-parallel-size", "2",

@@ -90,6 +90,10 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         True, "biases in the linear layers (GPT-2)", action="store_true", before=(Flag(
             "no biases in the linear layers (Llama)", names=("--disable-bias-linear",),
             action="store_false", default=True),))
+    bias_gelu_fusion: bool = option(
+        True, "the exact (erf) GeLU instead of the tanh approximation that Megatron-LM's fused "
+        "bias-GeLU computes (its default); Megatron-LM's GeLU is exact without biases too "
+        "(--disable-bias-linear)", names=("--no-bias-gelu-fusion",), action="store_false")
     add_qkv_bias: bool = option(
         False, "biases on the q, k and v projections only (Qwen2), whatever "
         "--disable-bias-linear says of the other linears", action="store_true")
@@ -153,6 +157,12 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         return 4 * self.hidden_size
 
     @property
+    def gelu_approximate(self) -> str:
+        """The GeLU's math, as Megatron-LM's: "tanh" where its fused bias-GeLU runs (biases
+        on, --bias-gelu-fusion, the default), else "none" (torch's exact erf GeLU)."""
+        return "tanh" if self.bias_gelu_fusion and self.add_bias_linear else "none"
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -169,6 +179,8 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         for k in ("hidden_dropout", "attention_dropout", "attention_backend", "init_method_std",
                   *MASK_FIELDS):
             d.pop(k)
+        if self.swiglu:  # no GeLU: the switch means nothing (older checkpoints lack it)
+            d.pop("bias_gelu_fusion")
         d.update(ffn_hidden_size=self.ffn_size, num_query_groups=self.num_kv_heads,
                  kv_channels=self.head_dim, max_position_embeddings=self.max_positions,
                  padded_vocab_size=self.padded_vocab_size, **self.rope_shape_dict())
