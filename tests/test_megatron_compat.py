@@ -256,3 +256,39 @@ def test_megatron_main_flags_added_since_2025_parse_or_are_refused_by_name():
     assert "maximal update parametrization" in str(e.value) and "mixture of experts" in \
         str(e.value)
     parse_args(["--mock-data", "--moe-router-topk", "2"])  # Megatron-LM's default: nothing
+
+
+def test_the_generator_reads_a_parser_and_keeps_the_history(tmp_path):
+    """tools/megatron_args.py on a small parser built here the way Megatron-LM's
+    ArgumentGroupFactory builds one (an Enum field, a --no-X/--disable-X switch): the
+    records megatron.py reads; then a new table against an old one keeps the old one's
+    flags that are gone, with the commit that last had them, and keeps them when the
+    new table is written again from the same commit."""
+    import argparse
+    import enum
+    import json
+    import megatron_args as gen
+
+    class Backend(enum.Enum):
+        flash, local = 1, 2
+
+    p = argparse.ArgumentParser()
+    g = p.add_argument_group(title="transformer configuration")
+    g.add_argument("--attention-backend", type=lambda s: Backend[s], choices=list(Backend),
+                   default=Backend.flash, help="Backend. More words.")
+    g.add_argument("--no-rope-fusion", "--disable-rope-fusion", action="store_false",
+                   dest="apply_rope_fusion", help="Disable the fusion.")
+    records = [gen.action_record(a, "transformer configuration") for a in p._actions[1:]]
+    assert records[0] == {"flag": "--attention-backend", "aliases": [], "dest":
+                          "attention_backend", "default": "flash", "action": None,
+                          "type": "str", "nargs": None, "choices": ["flash", "local"],
+                          "group": "transformer configuration", "help": "Backend."}
+    assert (records[1]["aliases"], records[1]["action"], records[1]["nargs"]) == (
+        ["--disable-rope-fusion"], "store_false", None)
+    old = {"source": "X @ 000c4ac2", "flags": [
+        {**records[1], "flag": "--disable-rope-fusion", "aliases": []},  # renamed: kept
+        {**records[0], "flag": "--use-legacy-models"}]}  # gone
+    gone = gen.gone_flags(old, records)
+    assert [(g["flag"], g["last"]) for g in gone] == [("--use-legacy-models", "000c4ac2")]
+    again = gen.gone_flags({"source": "X @ main", "flags": records, "gone": gone}, records)
+    assert again == gone

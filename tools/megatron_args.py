@@ -322,8 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["gone"] = gone_flags(previous, flags)
         old = {n for x in previous["flags"] for n in (x["flag"], *x["aliases"])}
         added = [x["flag"] for x in flags if not {x["flag"], *x["aliases"]} & old]
-        print(f"since {previous['source'].rsplit('@', 1)[1].strip()[:8]}: "
-              f"{len(added)} flags added, {len(doc['gone'])} gone (kept in \"gone\")")
+        print(f"since {previous['source'].rsplit('@', 1)[1].strip()[:8]}: {len(added)} flags "
+              f"added; since {(doc['previous'] or '@ -').rsplit('@', 1)[1].strip()[:8]}: "
+              f"{len(doc['gone'])} gone (kept in \"gone\")")
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
