@@ -459,8 +459,11 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                 "samples"),
     "--dataloader-defer-npy-index-mmap": (NO_EFFECT, "when the cached indices are mapped: the "
                                                      "same samples"),
-    "--dataloader-inter-document-masking": (REFUSED, "document boundaries as cu_seqlens (here: "
-                                                     "--reset-attention-mask)"),
+    "--dataloader-inter-document-masking": (REFUSED, "attention and positions reset at the "
+                                                     "dataset's document boundaries (here: "
+                                                     "--reset-attention-mask "
+                                                     "--reset-position-ids, at end-of-document "
+                                                     "tokens)"),
     "--no-pad-vocab-size": (REFUSED, "an unpadded vocabulary (here: "
                                      "--make-vocab-size-divisible-by 1)"),
     "--tokenizer-special-tokens": (REFUSED, "special tokens added to the tokenizer"),
