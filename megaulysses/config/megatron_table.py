@@ -118,8 +118,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     # training
     "--batch-size": (REFUSED, f"{_GONE}: use --micro-batch-size"),
     "--decrease-batch-size-if-needed": (REFUSED, "a global batch decreased to fit the grid"),
-    "--distribute-saved-activations": (NO_EFFECT, "where Megatron-LM keeps the inputs of "
-                                                  "recomputed layers: memory only, same math"),
+    "--distribute-saved-activations": (REFUSED, "the inputs of recomputed layers split over "
+                                                "the tensor-parallel ranks (each keeps them "
+                                                "whole here; --sequence-parallel splits them)"),
     "--recompute-modules": (REFUSED, "recomputing chosen modules (--recompute-granularity "
                                      "selective recomputes the core attention here)"),
     "--no-clone-scatter-output-in-embedding": (NO_EFFECT, "a memory detail of Megatron-LM's "
@@ -323,7 +324,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--tensorboard-queue-size": (NO_EFFECT, "TensorBoard's writer queue: when, not what"),
     "--no-log-loss-scale-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
     "--log-validation-ppl-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
-    "--log-memory-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
+    "--log-memory-to-tensorboard": (NO_EFFECT, "already so here: every logged record writes "
+                                               "mem_allocated_gib and mem_peak_gib to "
+                                               "tensorboard"),
     "--log-world-size-to-tensorboard": (NO_EFFECT, _TB_EXTRA),
     "--logging-level": (NO_EFFECT, "the log level here: INFO on rank 0, warnings elsewhere"),
     # inference: the CUDA-graph flags concern training too
