@@ -12,7 +12,10 @@ by megatron.py. Two kinds:
   own default (or a value in SAME_HERE), it asks for nothing: accepted and logged.
 
 A whole Megatron-LM argument group (its --help title) has one status and reason; FLAGS
-lists the exceptions and the flags of the mixed groups. A flag added to the schema later
+lists the exceptions and the flags of the mixed groups (a row under any of a flag's names:
+Megatron-LM's main spells a dataclass switch --no-X with --disable-X beside it); PREFIXES
+gives a family of flags by its prefix (--moe-*, --fp8-*, ...: most of main's "transformer
+configuration" group, TransformerConfig's fields). A flag added to the schema later
 simply leaves these tables (megatron.py computes them against the live schema), and
 tests/test_megatron_compat.py then asks for its row to go.
 """
