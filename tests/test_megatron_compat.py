@@ -292,3 +292,12 @@ def test_the_generator_reads_a_parser_and_keeps_the_history(tmp_path):
     assert [(g["flag"], g["last"]) for g in gone] == [("--use-legacy-models", "000c4ac2")]
     again = gen.gone_flags({"source": "X @ main", "flags": records, "gone": gone}, records)
     assert again == gone
+
+
+def test_a_forks_llama3_script_runs_as_written():
+    """The issue's example: a Llama 3 script of a ROCm fork adds the deprecated
+    --no-position-embedding (beside rope) and --dataloader-type cyclic to Megatron-LM's own:
+    parsed, nothing refused, the cyclic sampler chosen."""
+    cfg = parse_args(LLAMA3_8B + ["--no-position-embedding", "--dataloader-type", "cyclic"])
+    assert (cfg.model.position_embedding_type, cfg.data.dataloader_type) == ("rope", "cyclic")
+    assert "--no-position-embedding" in dict(cfg.compat.megatron_flags)
