@@ -36,7 +36,8 @@ def test_every_flag_is_printed_resolved_under_its_megatron_name():
     # grad_reduce_dtype)
     missing = flags - set(rows) - {"disable_bias_linear", "recompute_activations",
                                    "no_exit_signal_handler", "grad_reduce_in_bf16",
-                                   "use_rotary_position_embeddings", "use_torch_fsdp2"}
+                                   "use_rotary_position_embeddings", "use_torch_fsdp2",
+                                   "tokenizer_hf_no_include_special_tokens"}
     assert not missing, missing
     assert rows["sequence_parallel"] == "True"
     assert rows["lr_warmup_iters"] == "4"  # resolved: 0.5 of 8 iterations
