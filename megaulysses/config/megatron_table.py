@@ -178,7 +178,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--lr-wsd-decay-style": (REFUSED, _WSD),
     "--lr-wsd-decay-samples": (REFUSED, _WSD),
     "--lr-wsd-decay-iters": (REFUSED, _WSD),
-    "--lr-warmup-init": (REFUSED, "a warmup from a nonzero learning rate"),
     "--warmup": (REFUSED, f"{_GONE}: use --lr-warmup-fraction or --lr-warmup-iters"),
     "--override-opt_param-scheduler": (NO_EFFECT, "already so here: the schedule always "
                                                   "comes from the flags, never a checkpoint"),

@@ -276,6 +276,9 @@ class TrainConfig:
         "linear", "from --lr down to --min-lr after the warmup",
         choices=LR_DECAY_STYLES)
     lr_warmup_iters: int = option(0, "iterations of linear warmup", kind="int")
+    lr_warmup_init: float = option(
+        0.0, "learning rate the warmup starts from (its first step's), rising linearly to "
+        "--lr", kind="number")
     lr_warmup_samples: int = option(
         0, "samples of linear warmup (with --train-samples)", kind="int")
     lr_warmup_fraction: Optional[float] = option(

@@ -72,10 +72,10 @@ class LRSchedule:
     --min-lr, or --decoupled-lr and --decoupled-min-lr) on the same shape.
 
     A pure function of where the run stands, so resuming needs no scheduler state. The step
-    that starts `done` units in and takes `size` more (an iteration: 1; in samples: its
-    global batch) warms up to the end of its own units, peak * (done + size) / warmup, so
-    the first step does not run at lr 0 (Megatron-LM's warmup stops where the step starts:
-    one step behind); it decays from where it starts, as Megatron-LM's.
+    that starts `done` units in (iterations, or samples consumed) runs at the schedule's
+    value at `done`, as Megatron-LM's OptimizerParamScheduler, which steps after the
+    update: the warmup rises linearly from --lr-warmup-init (0: the first step then makes
+    no update) to the peak at `done == warmup`, then decays.
     """
 
     def __init__(self, t: TrainConfig, bounds: Optional[list[tuple[float, float]]] = None):
@@ -93,8 +93,10 @@ class LRSchedule:
         return self.lr(done, size, self.t.lr, self.t.min_lr)
 
     def lr(self, done: int, size: int, peak: float, floor: float) -> float:
-        if self.warmup > 0 and done < self.warmup:
-            return peak * min(done + size, self.warmup) / self.warmup
+        # `size` (the step's own units) does not move it: kept for the callers' symmetry
+        if self.warmup > 0 and done <= self.warmup:
+            start = self.t.lr_warmup_init
+            return start + (peak - start) * done / self.warmup
         if self.style == "constant" or done >= self.decay:
             return peak if self.style == "constant" else floor
         frac = (done - self.warmup) / max(1, self.decay - self.warmup)

@@ -576,6 +576,46 @@ def sequence_parallel_on_cpu() -> Iterator[None]:
         yield
 
 
+def _cuda_to_cpu(make: Any) -> Any:
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return make(*args, **kwargs)
+    return on_cpu
+
+
+def _clip_any_device(clip: Any) -> Any:
+    """clip_grad_by_total_norm_fp32 asserts its gradients are torch.cuda.FloatTensor on
+    the .grad path; its .decoupled_grad path (same scaling) checks only the dtype."""
+    def clip_cpu(parameters: Any, max_norm: float, total_norm: float,
+                 use_decoupled_grad: bool = False) -> None:
+        params = [p for p in parameters if p.grad is not None]
+        for p in params:
+            p.decoupled_grad = p.grad
+        clip(params, max_norm, total_norm, use_decoupled_grad=True)
+        for p in params:
+            del p.decoupled_grad
+    return clip_cpu
+
+
+@contextlib.contextmanager
+def optimizer_on_cpu() -> Iterator[None]:
+    """megatron-core's DDP wrapper and optimizer (FP32Optimizer, its gradient norm and
+    clipping) allocate on CUDA: torch.cuda.current_device() and device="cuda" tensors
+    become CPU ones while this is open, and clipping skips its CUDA type check."""
+    import megatron.core.optimizer.optimizer as optimizer_module
+    if torch.cuda.is_available():
+        yield
+        return
+    with mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")), \
+            mock.patch.object(torch, "tensor", _cuda_to_cpu(torch.tensor)), \
+            mock.patch.object(torch, "zeros", _cuda_to_cpu(torch.zeros)), \
+            mock.patch.object(torch, "empty", _cuda_to_cpu(torch.empty)), \
+            mock.patch.object(optimizer_module, "clip_grad_by_total_norm_fp32", _clip_any_device(
+                optimizer_module.clip_grad_by_total_norm_fp32)):
+        yield
+
+
 @contextlib.contextmanager
 def _cuda_calls_on_cpu() -> Iterator[None]:
     """dist_checkpointing's torch_dist strategy calls CUDA on a CPU-only build; map them to CPU.

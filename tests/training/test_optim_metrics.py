@@ -26,9 +26,12 @@ def schedule(**kw):
 
 
 def test_warmup_then_cosine():
+    """Megatron-LM's OptimizerParamScheduler: a step runs at the value where it starts, so
+    the first warmup step has --lr-warmup-init (0: no update)."""
     s = schedule()
-    assert s(0) == pytest.approx(0.1) and s(9) == pytest.approx(1.0)
+    assert s(0) == 0.0 and s(9) == pytest.approx(0.9)
     assert s(10) == pytest.approx(1.0)
+    assert schedule(lr_warmup_init=0.5)(4) == pytest.approx(0.5 + 0.5 * 4 / 10)
     assert s(55) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
     assert s(100) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
 
@@ -38,7 +41,7 @@ def test_linear_and_constant_and_decay_iters():
     assert lin(30) == pytest.approx(0.1 + 0.9 * (1 - 20 / 40))
     assert lin(60) == pytest.approx(0.1)
     const = schedule(lr_decay_style="constant")
-    assert const(5) == pytest.approx(0.6) and const(99) == pytest.approx(1.0)
+    assert const(5) == pytest.approx(0.5) and const(99) == pytest.approx(1.0)
 
 
 def test_no_weight_decay_on_norms_and_biases():

@@ -73,18 +73,18 @@ def test_rampup_with_train_iters_ramps_for_that_many_steps():
 
 
 def test_lr_per_step_in_samples_with_decoupled_groups():
-    """Warmup over 10 samples: a step warms up to where it ends (consumed + its batch);
-    linear decay over --train-samples 50 from where it starts. The decoupled group has
-    the same shape between its own peak and floor."""
+    """Warmup over 10 samples, then linear decay over --train-samples 50, each step at
+    the schedule's value where it starts (the samples consumed before it), as Megatron-LM's
+    scheduler. The decoupled group has the same shape between its own peak and floor."""
     t = resolved("--train-samples", "50", "--global-batch-size", "8", "--micro-batch-size", "2",
                  "--rampup-batch-size", "2", "2", "12", "--lr", "1", "--min-lr", "0.1",
                  "--lr-warmup-samples", "10", "--lr-decay-style", "linear",
                  "--decoupled-lr", "2", "--decoupled-min-lr", "0.2")
     s = LRSchedule(t, [(1.0, 0.1), (2.0, 0.2)])
     got = [lr for step in steps(t) for lr in s.group_lrs(*step)]
-    # consumed before each step: 0, 2, 4, 8 (warmup: 2/10, 4/10, 8/10, min(14, 10)/10),
-    # then 14, 22, 30, 38: (consumed - 10) / 40 of the decay
-    warm = [0.2, 0.4, 0.8, 1.0]
+    # consumed before each step: 0, 2, 4, 8 (warmup: 0/10, 2/10, 4/10, 8/10), then 14,
+    # 22, 30, 38, 46: (consumed - 10) / 40 of the decay
+    warm = [0.0, 0.2, 0.4, 0.8]
     decay = [1 - (c - 10) / 40 for c in (14, 22, 30, 38)]
     want = ([x for w in warm for x in (w, 2 * w)]
             + [x for k in decay for x in (0.1 + k * 0.9, 0.2 + k * 1.8)])
@@ -224,9 +224,10 @@ def test_rampup_run_batches_lr_and_frozen_decoupled_group(reference):
     assert [r["global_batch_size"] for r in train_recs] == BATCHES
     assert [r["consumed_samples"] for r in train_recs] == [c + b for c, b in
                                                            zip(CONSUMED, BATCHES)]
-    # lr 3e-3 -> 3e-4: warmup to min(consumed + batch, 10) / 10, then linear over 38 samples
-    want = [3e-3 * min(c + b, 10) / 10 if c < 10 else 3e-4 + (1 - (c - 10) / 28) * 2.7e-3
-            for c, b in zip(CONSUMED, BATCHES)]
+    # lr 3e-3 -> 3e-4: warmup at consumed / 10 (Megatron-LM's: the value where the step
+    # starts), then linear over the 28 samples after it
+    want = [3e-3 * c / 10 if c <= 10 else 3e-4 + (1 - (c - 10) / 28) * 2.7e-3
+            for c in CONSUMED]
     assert [r["lr"] for r in train_recs] == pytest.approx(want)
     assert all(r["decoupled_lr"] == 0 for r in train_recs)
     assert unchanged["embed.word.weight"]
