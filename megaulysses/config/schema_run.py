@@ -177,7 +177,7 @@ class MemoryConfig:
         False, "Ulysses attention by chunks of the sequence (FPDT): the all-to-alls and the "
         "core run per chunk of --ds-sequence-parallel-fpdt-chunk-size tokens, so the "
         "whole-sequence q, k, v, output and their gradients never exist at once; needs "
-        "Ulysses, no ring, no attention dropout",
+        "Ulysses, no ring",
         action="store_true")
     ds_sequence_parallel_fpdt_chunk_size: int = option(
         65536, "with --ds-sequence-parallel-fpdt: tokens of the whole sequence per chunk "
