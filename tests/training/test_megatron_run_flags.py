@@ -37,28 +37,41 @@ RUN = TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size"
 SPIKE_AT = 4  # steps 2 and 3 set the maximum (samples=2; the first step is not looked at)
 
 
-def train_with_spike(tmp_path, checked: bool, spike: str) -> dict:
-    """5 steps; at step SPIKE_AT the head's normalized output is multiplied by 1000 (loss
-    and gradient norm far above 10x the maximum): "transient" in the step's first forward
-    pass only (a device fault the rerun does not meet again), "persistent" in every pass,
-    "none" never. The parameters at the end."""
+def spiked_trainer(args: list, checked: bool, spike: str, on_rank=None):
+    """A trainer of `args` (+ the checks when `checked`) whose step SPIKE_AT has the head's
+    normalized output multiplied by 1000 (loss and gradient norm far above 10x the
+    maximum): "transient" in the step's first forward pass only (a device fault the rerun
+    does not meet again), "persistent" in every pass, "none" never; on every rank holding
+    the head, or on global rank `on_rank` only."""
+    import torch.distributed as dist
     from megaulysses.config import parse_args
     from megaulysses.training.result_checks import ResultChecks
     from megaulysses.training.trainer import Trainer
     flags = ["--check-for-spiky-loss", "--check-for-large-grads"] if checked else []
-    trainer = Trainer(parse_args(RUN + flags + ["--data-cache-path", str(tmp_path / "c")]))
+    trainer = Trainer(parse_args(args + flags))
     if checked:  # Megatron-LM's rule on 2 samples instead of 100: a short test
         trainer.checks = ResultChecks(True, True, trainer.rank, samples=2)
     calls = []  # forward calls of the head's norm during the spiking step
+    passes = trainer.cfg.train.global_batch_size // (
+        trainer.cfg.train.micro_batch_size * trainer.dims.dp)  # micro-batches a pass
 
     def hook(module, args, out):
         if trainer.state.iteration + 1 != SPIKE_AT or spike == "none":
             return out
         calls.append(1)
-        first_pass = len(calls) <= 2  # 2 micro-batches a pass
+        first_pass = len(calls) <= passes
         return out * 1000.0 if spike == "persistent" or first_pass else out
 
-    trainer.model.head.norm.register_forward_hook(hook)
+    here = on_rank is None or (dist.is_initialized() and dist.get_rank() == on_rank)
+    if here and trainer.model.head is not None:
+        trainer.model.head.norm.register_forward_hook(hook)
+    trainer.spike_calls = calls
+    return trainer
+
+
+def train_with_spike(tmp_path, checked: bool, spike: str) -> dict:
+    """5 steps of one process; the parameters at the end."""
+    trainer = spiked_trainer(RUN + ["--data-cache-path", str(tmp_path / "c")], checked, spike)
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -89,6 +102,46 @@ def test_a_reproducible_spike_is_said_so_and_trained_with(tmp_path, caplog):
     assert "rerun: loss reproducible within 0.0" in caplog.text
     assert caplog.text.count("rerunning the step") == 1
     assert same(checked, train_with_spike(tmp_path, False, "persistent"))
+
+
+GRIDS = {"dp2-zero3": ["--zero-stage", "3"], "pp2": ["--pipeline-model-parallel-size", "2"],
+         "tp2": ["--tensor-model-parallel-size", "2"]}
+
+
+def spikes_on_grids(rank, world, tmp) -> dict:
+    """Per grid: (on rank 0, the max abs difference of the whole model after a transient
+    spike on global rank 1 alone, checked, and after a clean run, unchecked; on rank 1, the
+    forward passes the spiking step made there: 2 micro-batches each, a rerun's included)."""
+    import logging
+
+    from megaulysses.parallel.pipeline import full_state_dict
+    logging.disable(logging.INFO)
+    out = {}
+    for name, flags in GRIDS.items():
+        states = []
+        for checked, spike in ((True, "transient"), (False, "none")):
+            args = RUN + flags + ["--data-cache-path", f"{tmp}/c"]
+            # rank 1 holds the head on every grid (pp2: the last stage)
+            trainer = spiked_trainer(args, checked, spike, on_rank=1)
+            trainer.train()
+            states.append(full_state_dict(trainer.model, trainer.comm))
+            if checked:
+                passes = len(trainer.spike_calls)
+        out[name] = passes if rank == 1 else max(
+            (a - b).abs().max().item() for a, b in zip(states[0].values(), states[1].values()))
+    return out
+
+
+def test_a_spike_on_one_rank_reruns_the_step_on_every_rank(tmp_path):
+    """dp2 under ZeRO-3, pp2 (the head on the last stage), tp2: a transient spike in one
+    rank's forward makes every rank run the step again (the decision is the global loss's
+    and norm's, alike everywhere), and each grid ends bit-equal to its clean run."""
+    from dist import run_ranks
+    diffs, calls = run_ranks(spikes_on_grids, 2, str(tmp_path), timeout=300)
+    assert diffs == {name: 0.0 for name in GRIDS}, diffs
+    # the spiking rank's head ran its micro-batches twice: the step and its rerun (global
+    # batch 4 of micro-batches of 2: dp2 1 a rank and pass; pp2, tp2 2)
+    assert calls == {"dp2-zero3": 2, "pp2": 4, "tp2": 4}, calls
 
 
 def test_large_grads_alone(tmp_path, caplog):
