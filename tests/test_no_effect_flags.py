@@ -39,11 +39,12 @@ REVIEWED = {
 
 # Being implemented by another part of issue 39 (its row leaves the table when it lands):
 # neither required nor refused here meanwhile. Empty this once they have landed.
-PENDING = {"--accumulate-allreduce-grads-in-fp32"}  # part 2 (the distributed optimizer)
+PENDING: set = set()
 
 # Were "no effect" until issue 39; each now does what it does in Megatron-LM, or is refused.
 RE_JUDGED = ("--check-for-spiky-loss", "--check-for-large-grads", "--wandb-entity",
-             "--distribute-saved-activations", "--empty-unused-memory-level")
+             "--distribute-saved-activations", "--empty-unused-memory-level",
+             "--accumulate-allreduce-grads-in-fp32", "--ddp-bucket-size", "--ddp-num-buckets")
 
 
 def no_effect_flags() -> dict:

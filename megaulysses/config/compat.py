@@ -24,8 +24,6 @@ _SWITCHES = {
                                  "the softmax runs inside the --attention-backend kernel"),
     "no_bias_dropout_fusion": ("Megatron-LM's unfused bias + dropout",
                                "no fused bias-dropout kernel here"),
-    "no_gradient_accumulation_fusion": ("Megatron-LM's unfused weight-gradient accumulation",
-                                        "weight gradients accumulate in torch's autograd"),
     "no_persist_layer_norm": ("Megatron-LM's non-persistent LayerNorm kernel",
                               "the norms are torch code here"),
     "cross_entropy_loss_fusion": ("Megatron-LM's fused cross entropy",
@@ -59,7 +57,6 @@ class CompatConfig:
                   "in use are logged at start")
     no_masked_softmax_fusion: bool = _switch("no_masked_softmax_fusion")
     no_bias_dropout_fusion: bool = _switch("no_bias_dropout_fusion")
-    no_gradient_accumulation_fusion: bool = _switch("no_gradient_accumulation_fusion")
     no_persist_layer_norm: bool = _switch("no_persist_layer_norm")
     cross_entropy_loss_fusion: bool = _switch("cross_entropy_loss_fusion")
     overlap_grad_reduce: bool = _switch("overlap_grad_reduce")

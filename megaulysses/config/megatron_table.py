@@ -217,9 +217,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--apply-query-key-layer-scaling": (REFUSED, "query-key scaling by the layer number"),
     "--attention-softmax-in-fp32": (NO_EFFECT, "already so here: every attention kernel "
                                                "computes the softmax in fp32"),
-    "--accumulate-allreduce-grads-in-fp32": (NO_EFFECT, "already so here: gradients "
-                                                        "accumulate in fp32, as the weights, "
-                                                        "and are reduced in --grad-reduce-dtype"),
     "--fp16-lm-cross-entropy": (REFUSED, "a 16-bit cross entropy"),
     "--disable-bf16-reduced-precision-matmul": (REFUSED, "bf16 matmuls without "
                                                          "reduced-precision reductions"),

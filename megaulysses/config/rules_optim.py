@@ -19,6 +19,9 @@ def validate_optimizer(cfg: Config) -> None:
     require(not (cfg.train.fp16 and par.grad_reduce_dtype == "bf16"), "--grad-reduce-in-bf16",
             "not with --fp16 (--grad-reduce-dtype bf16 would reduce loss-scaled fp16 "
             "gradients in another 16-bit format): use it with --bf16")
+    require(not (par.accumulate_allreduce_grads_in_fp32 and par.grad_reduce_dtype == "bf16"),
+            "--accumulate-allreduce-grads-in-fp32", "not with --grad-reduce-in-bf16 (a bf16 "
+            "gradient buffer; Megatron-LM drops the flag then): give one of them")
 
 
 def _validate_offload(cfg: Config):

@@ -111,6 +111,20 @@ class ParallelConfig:
         choices=GRAD_REDUCE_DTYPES, after=(Flag(
             "= --grad-reduce-dtype bf16 (Megatron-LM's)", names=("--grad-reduce-in-bf16",),
             action="store_const", const="bf16"),))
+    no_gradient_accumulation_fusion: bool = option(
+        False, "with the distributed optimizer under --bf16/--fp16: each linear layer's "
+        "weight gradient made in 16 bits by autograd, then added into the gradient buffer "
+        "(Megatron-LM's unfused path). Without it, Megatron-LM's fusion: added into the "
+        "buffer in its dtype (fp32: no 16-bit rounding, no per-micro-batch 16-bit gradient; apex's "
+        "fused_weight_gradient_mlp_cuda on CUDA where installed, else torch); "
+        "tensor-parallel weights and zero-bubble keep the unfused path",
+        action="store_true")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False, "the distributed optimizer's gradient buffer in fp32 (micro-batches summed and "
+        "reduced in fp32), as in Megatron-LM, which sets it itself under --bf16 (unless "
+        "--grad-reduce-in-bf16); under --fp16 the buffer is fp16 without it. ZeRO-0/1 "
+        "without the distributed optimizer and FSDP sum the gradients of fp32 weights in "
+        "fp32 anyway", action="store_true")
     overlap_param_gather: bool = option(
         False, "with the distributed optimizer: each bucket's all-gather of the updated "
         "weights runs while the next step's first forward reaches it (its forward waits "

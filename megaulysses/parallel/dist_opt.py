@@ -3,16 +3,22 @@
 What each rank holds, per parameter of its model (P = dp x sp ranks, ZeRO's group):
 
     model weights      16-bit, whole (the tensors the forward uses: no autocast copies)   2
-    gradient buffer    fp32, whole (16-bit with --grad-reduce-in-bf16), bucketed          4 / 2
+    gradient buffer    fp32, whole, bucketed (16-bit: --grad-reduce-in-bf16; under --fp16  4 / 2
+                       unless --accumulate-allreduce-grads-in-fp32, as in Megatron-LM)
     main weights       fp32, this rank's rows                                             4/P
     Adam moments       fp32, this rank's rows                                             8/P
     main gradients     the buffer's own rows (fp32), or their fp32 copy (16-bit buffer)   0 / 4/P
 
 that is Megatron-LM's 6 + 12/P bytes per parameter, or 4 + 16/P with 16-bit gradients.
 
-A step: each micro-batch's 16-bit gradient is added into the buffer as autograd produces
-it (a post-accumulate hook; `.grad` is then dropped), so gradients accumulate in the
-buffer's dtype, never in 16 bits. On the step's last backward each bucket is
+A step: each linear layer adds its micro-batch's weight gradient into the buffer itself,
+in the buffer's dtype (Megatron-LM's gradient-accumulation fusion, its default:
+model/fused_linear.py hands x and the output gradient to `wgrad`; no 16-bit weight
+gradient, no `.grad`). Every other gradient (and every one under
+--no-gradient-accumulation-fusion, tensor parallelism or zero-bubble) is made by autograd
+in 16 bits and added into the buffer at once (a post-accumulate hook; `.grad` is then
+dropped). Either way gradients accumulate in the buffer's dtype. On the step's last
+backward each bucket is
 reduce-scattered in place as soon as its parameters are done; this rank's rows of the sum
 are its main gradients. AdamW steps the main weights; their 16-bit roundings are
 all-gathered back into every rank's model weights. The gather lands in the gradient
@@ -26,9 +32,10 @@ the model's weights) are the same DTensors ZeRO-1 saves: a checkpoint written un
 loads under the other and under every other stage and grid.
 
 Numerics: the forward sees the same 16-bit weights as ZeRO-1 under autocast (the rounding
-of the same fp32 master), and the fp32 buffer sums the same 16-bit gradients in the same
-order, so the two train bit-identically (tested); with a 16-bit buffer the micro-batches'
-gradients are summed in 16 bits, as in Megatron-LM.
+of the same fp32 master); unfused, the fp32 buffer sums the same 16-bit gradients in the
+same order, so the two train bit-identically (tested); fused, the linears' gradients
+skip the 16-bit rounding of each micro-batch (closer to the exact sum: tested). With a
+16-bit buffer the micro-batches' gradients are summed in 16 bits, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from megaulysses.config import RunConfig
+from megaulysses.model.fused_linear import linear_to_sink
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
 from megaulysses.parallel.grad_reduce import (BUCKET_BYTES, RowShard, _local, _make_buckets,
@@ -127,6 +135,41 @@ def _waiting_class(cls: type) -> type:
     return _WAITING[cls]
 
 
+def _apex_wgrad():
+    """apex's fused_weight_gradient_mlp_cuda (Megatron-LM's kernel), None where absent."""
+    try:
+        import fused_weight_gradient_mlp_cuda
+        return fused_weight_gradient_mlp_cuda
+    except ImportError:
+        return None
+
+
+_APEX = _apex_wgrad()
+TOKENS_PER_PIECE = 1024  # torch's fp32 path converts this many tokens at a time
+
+
+def wgrad_backend(device: torch.device) -> str:
+    """What adds the fused weight gradients on `device`, for the log."""
+    if _APEX is not None and device.type == "cuda":
+        return "apex fused_weight_gradient_mlp_cuda"
+    return "torch addmm (16-bit operands made fp32 for an fp32 buffer)"
+
+
+def _accumulate_wgrad(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+    """out [rows, in] += g^T x (g [T, rows], x [T, in]), summed in out's dtype: for an fp32
+    `out`, the 16-bit products are summed in fp32 and added without a 16-bit rounding
+    (apex's kernel, or fp32 copies of the operands, a piece of the tokens at a time so
+    they stay small); a 16-bit `out` (a 16-bit buffer) gets a 16-bit product, as there."""
+    if out.dtype != torch.float32:
+        out.addmm_(g.t(), x)
+    elif _APEX is not None and out.is_cuda and x.dtype != torch.float32:
+        _APEX.wgrad_gemm_accum_fp32(x.contiguous(), g.contiguous(), out)
+    else:
+        for t in range(0, x.shape[0], TOKENS_PER_PIECE):
+            piece = slice(t, t + TOKENS_PER_PIECE)
+            out.addmm_(g[piece].t().float(), x[piece].float())
+
+
 class DistributedOptimizer(ShardedAdamW):
     """AdamW on fp32 main rows of 16-bit model weights (module doc). To the trainer and
     checkpoints it is ZeRO-1's `ShardedAdamW` whose rows (`views`) are the main weights."""
@@ -158,7 +201,8 @@ class DistributedOptimizer(ShardedAdamW):
                                  for g in groups])
         self.main_grads: dict = {}  # param -> fp32 rows of its reduced gradient
         self.armed = False
-        self.deferred = False  # --overlap-param-gather: gathers finish in forward hooks
+        self.deferred = False  # --overlap-param-gather: gathers finish at first reads
+        self.uses: dict = {}  # fused weight -> its forwards whose backward has not come
         self.pending = False  # some bucket's gather is not copied into the weights yet
         if self.host.params:  # Adam's moments on the host from the start, marked as such
             self._materialize_state()
@@ -171,6 +215,8 @@ class DistributedOptimizer(ShardedAdamW):
     def _accumulate(self, p) -> None:
         """Autograd's gradient of `p` (16-bit) into the buffer; on the last backward, a
         bucket whose parameters are all in is reduce-scattered at once."""
+        if p.grad is None:  # a fused linear's weight (`wgrad`): autograd gave it nothing
+            return
         if self.pending:  # a weight no forward used: its bucket's gather ends here
             self.wait_all()
         if self.align is not None:
@@ -178,10 +224,51 @@ class DistributedOptimizer(ShardedAdamW):
         bucket = self.bucket_of[p]
         _scatter_add(bucket.by_rank(p, self.shards[p]), _local(p.grad).reshape(-1))
         p.grad = None
+        self._ready(p)
+
+    def _ready(self, p) -> None:
+        """`p`'s gradient is all in the buffer: on the last backward, a bucket whose
+        parameters are all in is reduce-scattered at once."""
         if self.armed:
+            bucket = self.bucket_of[p]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._launch(bucket)
+
+    # -- gradient-accumulation fusion (model/fused_linear.py calls these) -------------
+
+    def fuse_weight_gradients(self, model: torch.nn.Module) -> list:
+        """Megatron-LM's gradient-accumulation fusion: every plain `nn.Linear` whose weight
+        this optimizer holds (tensor-parallel DTensor weights keep autograd's path) adds
+        its weight gradient into the buffer itself, in the buffer's dtype (fp32: no 16-bit
+        rounding, no `.grad`). Returns the fused modules."""
+        fused = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+                 and m.weight in self.bucket_of and not hasattr(m.weight, "to_local")]
+        for m in fused:  # an instance attribute shadows the class's forward
+            m.forward = lambda x, m=m: linear_to_sink(x, m.weight, m.bias, self)
+        self.uses = {m.weight: 0 for m in fused}
+        return fused
+
+    def used(self, p) -> None:
+        """A forward used `p` (not a recomputation): one more weight gradient to come."""
+        self.uses[p] += 1
+
+    def wgrad(self, p, x: torch.Tensor, g: torch.Tensor) -> None:
+        """One use's weight gradient of `p` [out, in] = g^T x (x [T, in], g [T, out]),
+        added into `p`'s slots of the buffer: each rank's rows of it into that rank's slot
+        (`RowShard`), by `_accumulate_wgrad`; `p` is ready when its last use is in."""
+        if self.pending:  # as `_accumulate`
+            self.wait_all()
+        shard, slots = self.shards[p], self.bucket_of[p].by_rank(p, self.shards[p])
+        rows, cols = shard.shape[0], shard.row_numel
+        for r in range(self.ranks):
+            lo, hi = min(r * shard.chunk, rows), min((r + 1) * shard.chunk, rows)
+            if hi > lo:
+                _accumulate_wgrad(slots[r, :(hi - lo) * cols].view(hi - lo, cols),
+                                  g[:, lo:hi], x)  # [rows of rank r, in]
+        self.uses[p] -= 1
+        if self.uses[p] == 0:
+            self._ready(p)
 
     def take(self, p, grad: torch.Tensor) -> None:
         """One use's gradient of `p`, handed over by `layers.compute_weight` (`grad_sink`):
@@ -227,6 +314,7 @@ class DistributedOptimizer(ShardedAdamW):
                 self.main_grads[p] = self.host.grad(p, rows)
         self.host.arrived()
         self.armed = False
+        self.uses = dict.fromkeys(self.uses, 0)  # a forward without backward counts no more
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor:
         return self.main_grads[p]
@@ -340,6 +428,19 @@ class DistributedOptimizer(ShardedAdamW):
         return {"grads": grads, "optim": optim, **({"host": host} if self.host.params else {})}
 
 
+def grad_buffer_dtype(cfg) -> torch.dtype:
+    """The distributed optimizer's gradient buffer, Megatron-LM's: bf16 with
+    --grad-reduce-in-bf16; under --fp16 the weights' fp16 unless
+    --accumulate-allreduce-grads-in-fp32; else fp32 (Megatron-LM sets that flag itself
+    under --bf16)."""
+    par = cfg.parallel
+    if par.grad_reduce_dtype == "bf16":
+        return torch.bfloat16
+    if cfg.train.fp16 and not par.accumulate_allreduce_grads_in_fp32:
+        return torch.float16
+    return torch.float32
+
+
 def bucket_bytes(par, params: list) -> int:
     """Bytes of 16-bit weights per bucket (`_make_buckets` closes a bucket once it holds
     this many): Megatron-LM's --ddp-num-buckets (this rank's parameters // it, each bucket)
@@ -350,6 +451,14 @@ def bucket_bytes(par, params: list) -> int:
     if par.ddp_bucket_size is not None:
         return 2 * par.ddp_bucket_size
     return BUCKET_BYTES
+
+
+def fuses_weight_gradients(cfg: RunConfig) -> bool:
+    """Megatron-LM's gradient-accumulation fusion (its default) in this distributed-
+    optimizer run: off by --no-gradient-accumulation-fusion, and under zero-bubble, whose
+    weight pass needs autograd's weight gradients."""
+    return not (cfg.parallel.no_gradient_accumulation_fusion
+                or cfg.parallel.pipeline_schedule == "zero-bubble")
 
 
 def describe(cfg: RunConfig) -> str:
@@ -365,13 +474,23 @@ def describe(cfg: RunConfig) -> str:
                    "overlaps the 16-bit one of --bf16/--fp16)" if par.overlap_param_gather
                    else ""))
     half = "bf16" if t.bf16 else "fp16"
-    grad, e = ("bf16", 4 + 16 / n) if par.grad_reduce_dtype == "bf16" else ("fp32", 6 + 12 / n)
+    buffer = grad_buffer_dtype(cfg)
+    grad = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[buffer]
+    e = 6 + 12 / n if buffer == torch.float32 else 4 + 16 / n
     host = (f"; --optimizer-cpu-offload: main weights and moments of "
             f"{par.optimizer_offload_fraction:g} of the parameters on the host"
             if par.optimizer_cpu_offload else "")
     gather = ("overlaps the next step's forward (--overlap-param-gather)"
               if par.overlap_param_gather else "runs after the step")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    off = ("--no-gradient-accumulation-fusion" if par.no_gradient_accumulation_fusion
+           else "no gradient-accumulation fusion under --pipeline-schedule zero-bubble")
+    fusion = (f"linear layers' weight gradients added into the buffer directly, in its "
+              f"dtype, no per-micro-batch gradient (gradient-accumulation fusion: "
+              f"{wgrad_backend(device)})"
+              if fuses_weight_gradients(cfg) else
+              f"each weight gradient made in 16 bits, then added into the buffer ({off})")
     return (f"Megatron-LM's distributed optimizer: {half} weights, {grad} gradient buffer, "
             f"fp32 main weights and Adam moments sharded over dp x sp = {n}: {e:.2f} bytes "
-            f"per parameter{host}. Overlapping compute: the gradients' reduce-scatter (the "
-            f"last backward); the 16-bit weights' all-gather {gather}")
+            f"per parameter{host}; {fusion}. Overlapping compute: the gradients' "
+            f"reduce-scatter (the last backward); the 16-bit weights' all-gather {gather}")

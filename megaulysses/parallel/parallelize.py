@@ -45,7 +45,8 @@ from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dist_opt import DistributedOptimizer, bucket_bytes
+from megaulysses.parallel.dist_opt import (DistributedOptimizer, bucket_bytes,
+                                          fuses_weight_gradients, grad_buffer_dtype)
 from megaulysses.parallel.grad_reduce import BUCKET_BYTES
 from megaulysses.parallel.head_groups import apply_head_groups
 from megaulysses.parallel.dims import DP_SP, PP, TP
@@ -115,7 +116,8 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
                        (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather,
-                       bucket_bytes(par, list(model.parameters())))
+                       bucket_bytes(par, list(model.parameters())), grad_buffer_dtype(cfg),
+                       fuses_weight_gradients(cfg))
     return Parallelized(model, pipeline, zero, zero_stage)
 
 
@@ -165,11 +167,14 @@ def _micro_shape(cfg: RunConfig, dtype: torch.dtype) -> tuple:
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
                 groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype],
                 offload: tuple = (None, False), overlap_gather: bool = False,
-                bucket: int = BUCKET_BYTES) -> Zero:
+                bucket: int = BUCKET_BYTES, buffer: Optional[torch.dtype] = None,
+                fuse: bool = False) -> Zero:
     """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
     in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage);
     `offload`: its (host fraction or None, overlapped copies) (offload.py); `bucket`: its
-    bytes of 16-bit weights per bucket (--ddp-bucket-size, --ddp-num-buckets)."""
+    bytes of 16-bit weights per bucket (--ddp-bucket-size, --ddp-num-buckets), `buffer` its
+    gradient buffer's dtype (default: `reduce_dtype`); `fuse`: its gradient-accumulation
+    fusion (Megatron-LM's)."""
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
     align = None
     if comm.size(TP) > 1:
@@ -177,10 +182,12 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
         align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
     own = None
     if dist_opt is not None:
-        own = DistributedOptimizer(groups, comm, dist_opt, reduce_dtype,
+        own = DistributedOptimizer(groups, comm, dist_opt, buffer or reduce_dtype,
                                    bucket, make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph
             model.embed.word.weight.grad_sink = own.take
+        if fuse:
+            own.fuse_weight_gradients(model)
         if overlap_gather:
             own.attach(model)
     zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,

@@ -6,8 +6,9 @@ sharded over dp x sp.
    dtype matrix holds against one process) on the grids below, in one 4-rank spawn: the
    same forward (the same 16-bit roundings of the same masters) and the same fp32
    gradient sums, so the losses are *equal*; gradient norms equal to 1e-9 (the tied
-   embedding's two gradients are summed in another fp32 order). Two cases are held to the
-   dtype matrix's bf16 tolerances instead, and say why.
+   embedding's two gradients are summed in another fp32 order). Three cases are held to
+   the dtype matrix's bf16 tolerances instead, and say why. The distributed optimizer
+   runs unfused here (--no-gradient-accumulation-fusion), as ZeRO-1 sums gradients.
 2. Checkpoints keep the fp32 main weights: bit-equal to ZeRO-1's saved fp32 parameters (the
    tied embedding to 1e-6: its gradients' fp32 summation order, as in 1.); a
    resumed run continues bit-exactly; the checkpoint loads under ZeRO-3 and one process.
@@ -32,7 +33,11 @@ from helpers import TINY, read_jsonl
 STEPS = ["--train-iters", "3", "--micro-batch-size", "1", "--global-batch-size", "8",
          "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "512"]
-DO, Z1 = ["--use-distributed-optimizer"], ["--zero-stage", "1"]
+# unfused (--no-gradient-accumulation-fusion): autograd's 16-bit weight gradients, as
+# ZeRO-1 sums them; the fusion (Megatron-LM's default) skips their rounding and is held
+# against this path in tests/parallel/test_grad_accum_fusion.py
+DO = ["--use-distributed-optimizer", "--no-gradient-accumulation-fusion"]
+Z1 = ["--zero-stage", "1"]
 TP2, PP2, SP2 = (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
                  ["--ds-sequence-parallel-size", "2"])
 # name: (flags, exact?) on 4 ranks
@@ -42,13 +47,19 @@ GRIDS = {
     "bf16-pp2-dp2-zero-bubble": (["--bf16"] + PP2 + [
         "--pipeline-schedule", "zero-bubble", "--num-layers-per-virtual-pipeline-stage", "1"],
         True),
-    "fp16-sp2-dp2": (["--fp16", "--loss-scale", "64"] + SP2, True),
+    # an fp32 gradient buffer under --fp16 asked for (Megatron-LM's default there is fp16)
+    "fp16-sp2-dp2": (["--fp16", "--loss-scale", "64", "--accumulate-allreduce-grads-in-fp32"]
+                     + SP2, True),
     # Megatron-SP's norm gradients are tp partial sums: all-reduced per micro-batch here
     # (before the buffer), once per step under ZeRO-1: another fp32 summation order
     "bf16-tp2-sp-sp2": (["--bf16", "--sequence-parallel"] + TP2 + SP2, False),
     # the gradient buffer is bf16: micro-batches summed in bf16 (Megatron-LM's), ZeRO-1's
     # in fp32 before a bf16 reduction
     "bf16-dp4-grad-bf16": (["--bf16", "--grad-reduce-in-bf16"], False),
+    # --fp16's default, Megatron-LM's: an fp16 gradient buffer (micro-batches summed and
+    # reduced in fp16), ZeRO-1's in fp32; fp16 has 3 more mantissa bits than bf16, so the
+    # bf16 tolerances hold
+    "fp16-dp4-fp16-buffer": (["--fp16", "--loss-scale", "64"], False),
 }
 # --optimizer-cpu-offload and --overlap-param-gather on some of these grids: the same
 # numbers as without, exactly

@@ -55,6 +55,9 @@ GRIDS = {  # world -> {name: flags}
             "--window-size", "128", "--reset-attention-mask", "--reset-position-ids"],
         "window 128, block kernel, GQA, bf16, core-bound": CORE_BOUND + GQA2 + [
             "--window-size", "128", "--bf16"],
+        # attention dropout: the block kernel hashes its mask per query block (issue 39)
+        "attention dropout 0.1, block kernel, core-bound": CORE_BOUND + [
+            "--attention-dropout", "0.1"],
         "qk-layernorm + qkv biases, LayerNorm, fp32, none": QWEN3 + [
             "--normalization", "LayerNorm"]},
     2: {"sp2, ZeRO-0, none": SP2,
@@ -73,11 +76,15 @@ GRIDS = {  # world -> {name: flags}
         "dp2, distributed optimizer, offload 0.5, bf16 gradients, none": [
             "--use-distributed-optimizer", "--bf16", "--optimizer-cpu-offload",
             "--optimizer-offload-fraction", "0.5", "--grad-reduce-in-bf16"],
+        "dp2, distributed optimizer, fp16 buffer (Megatron-LM's default), none": [
+            "--use-distributed-optimizer", "--fp16", "--loss-scale", "64"],
         "tp2 + Megatron-SP, distributed optimizer, bf16 gradients, full": TP2 + [
             "--sequence-parallel", "--use-distributed-optimizer", "--grad-reduce-in-bf16",
             "--bf16"] + FULL,
         "cp2 (ring), ZeRO-3, none, core-bound": CP2 + CORE_BOUND + ["--zero-stage", "3"],
         "cp2 (ring), bf16, none, core-bound": CP2 + CORE_BOUND + ["--bf16"],
+        "cp2 (ring), attention dropout 0.1, block steps, core-bound": CP2 + CORE_BOUND + [
+            "--attention-dropout", "0.1"],
         # the residual stream in 16 bits (the default) and in fp32
         "pp2 1f1b, bf16, full, offload 1 layer, 4 micro-batches": PP2 + [
             "--global-batch-size", "8", "--bf16", "--cpu-offloading-num-layers", "1"] + FULL,

@@ -22,7 +22,10 @@ along dim 0 into ceil(rows/N)-row pieces.
                 fp32 main weights and moments of the rows (3 x rows), and at the step
                 the main gradients' fp32 copy of the rows with a bf16 buffer; reduced
                 and gathered in place (no working set): Megatron-LM's 6 + 12/N and
-                4 + 16/N bytes per parameter; --optimizer-cpu-offload moves its fraction
+                4 + 16/N bytes per parameter (the buffer fp16 under --fp16 unless
+                --accumulate-allreduce-grads-in-fp32); unfused (no gradient-accumulation
+                fusion) a block linear's 16-bit weight gradient in its layer's backward;
+                --optimizer-cpu-offload moves its fraction
                 of the main weights, moments and main gradients to the host (`host`)
     reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
                 all all-reduces end, + P; stage 1: earlier buckets in flight, the last
@@ -45,6 +48,7 @@ import torch
 
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.parallel.dims import ParallelDims
+from megaulysses.parallel.dist_opt import fuses_weight_gradients, grad_buffer_dtype
 from megaulysses.parallel.grad_reduce import BUCKET_BYTES
 from megaulysses.parallel.tensor import BLOCK_LINEARS, VOCAB_PARALLEL
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
@@ -158,11 +162,22 @@ class _States:
             rows = self.local if n == 1 else everything.rows
             self.optimizer = 3 * rows + F32 * len(params)
             self.held_params, self.cast_copies = self.local // 2, 0
-            self.buffer = self.local * self.reduce_e // F32
+            # fp16 under --fp16 (Megatron-LM's); reduce-scattered in that dtype too
+            self.reduce_e = buffer_e = grad_buffer_dtype(cfg).itemsize
+            self.buffer = self.local * buffer_e // F32
             # the main gradients: the buffer's own rows, or their fp32 copy
-            self.main_grads = rows if self.reduce_e != F32 else 0
+            self.main_grads = rows if buffer_e != F32 else 0
             self.gather_e = 2  # the updated weights are gathered in 16 bits
             self._offload(cfg.parallel, rows, len(params))
+            # Unfused (--no-gradient-accumulation-fusion, tensor parallelism, zero-bubble),
+            # autograd makes each block linear's weight gradient in 16 bits before it is
+            # added into the buffer: the largest lives during its layer's backward. Fused,
+            # the linears add theirs into the buffer directly (model/fused_linear.py).
+            fused = (fuses_weight_gradients(cfg)
+                     and cfg.parallel.tensor_model_parallel_size == 1)
+            linears = [math.prod(sh) for name, sh in block if len(sh) == 2
+                       and name.split(".", 2)[2].rsplit(".", 1)[0] in BLOCK_LINEARS]
+            self.wgrad16 = 0 if fused else 2 * max(linears, default=0)
 
     def _offload(self, par, rows: int, tensors: int) -> None:
         """--optimizer-cpu-offload (parallel/offload.py): that fraction of the main rows,
@@ -204,8 +219,9 @@ class _States:
         place later; FSDP makes them unsharded in the compute dtype in every backward."""
         if self.fsdp_per_block:
             return done * self.gather_e // F32
-        if self.dist_opt:  # the buffer, from the start (each weight's 16-bit gradient is
-            return 0 if later else self.buffer  # added into it at once: not counted)
+        if self.dist_opt:  # the buffer, from the start; in a block's backward, unfused, one
+            # linear's 16-bit weight gradient before it is added into the buffer
+            return (0 if later else self.buffer) + (self.wgrad16 if done else 0)
         return 0 if later else done
 
     def block_reduce_scatter(self) -> int:
