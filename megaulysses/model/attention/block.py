@@ -31,6 +31,13 @@ A plain causal or full mask needs no blocks: `masked_block_attention` and the ri
 on a fused kernel with lse (fused.py, `plain_fused_kernel`), one call each way, where one
 exists for the device and dtype; the blocks serve every other mask.
 
+Attention dropout (`dropout`, dropout.py) runs on the blocks only: each query block's
+mask is hashed from the global positions of its rows and keys and the global heads, after
+the row sums are taken (lse stays the undropped softmax's, so partials merge exactly), and
+hashed again in backward (nothing of it is kept). Its rows, keys and heads are the same
+wherever the pair is computed, so the ring's steps and FPDT's chunk pairs drop what the
+whole-sequence kernel drops.
+
 GQA: q is viewed as `[b, hkv, s * rep, d]` with rows ordered (position, head in group), so a
 block of positions is a contiguous range of rows served by one kv head, as in
 block_causal.py's `block_causal_attention`; the element mask is repeated `rep` times along

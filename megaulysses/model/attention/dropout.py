@@ -153,8 +153,3 @@ def dropout_prob(dropout: DropoutArg) -> float:
     if isinstance(dropout, AttentionDropout):
         return dropout.p
     return float(dropout or 0.0)
-
-
-def shift_heads(dropout: DropoutArg, heads: int) -> DropoutArg:
-    """`dropout` for a core whose head 0 is `heads` further on (a float passes as it is)."""
-    return dropout.shifted(heads) if isinstance(dropout, AttentionDropout) else dropout

@@ -1,7 +1,8 @@
 """The attention cores, `core(q, k, v, dropout_p=0.0, mask=None) -> out` on `[b, s, h, d]`
 (package doc): `math_attention` (the reference), `sdpa_attention` (torch SDPA, causal only),
-`block_attention` (the block kernel of block.py, any mask), `cpu_attention` (`auto` on CPU:
-block_causal.py's kernel up to `CPU_BLOCK_MAX_SEQ`, else SDPA; the block kernel for masks),
+`block_attention` (the block kernel of block.py, any mask, attention dropout by dropout.py's
+positional mask), `cpu_attention` (`auto` on CPU: block_causal.py's kernel up to
+`CPU_BLOCK_MAX_SEQ`, else SDPA; the block kernel for masks and attention dropout),
 `flash_attention` (the flash_attn package, with its varlen arguments for packed documents)
 and `flex_attention` (torch flex_attention, with its block masks, `flex_block_mask`).
 

@@ -14,10 +14,12 @@ Activations a layer keeps for backward, bytes (each term by name in `layer_terms
                  k, v, out, 4*T*(2hq + 2kv)*d, and the causal probabilities: fp32, per
                  (sample, core head) the sum over query blocks of 64 rows of rows*keys,
                  ~S*(S+64)/2, core heads hq/sp; SDPA / flash: q, k, v, out, e*T*(2hq +
-                 2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout (its
-                 math path): q, k, v + three fp32 S*S per head (probabilities, mask,
-                 dropped); the block kernel of model/attention/block.py (any mask but plain
-                 causal on CPU, --attention-backend block): q, k, v, out, e*(2Q + 2K), and
+                 2kv)*d, and the fp32 logsumexp b*(hq/sp)*S; CPU SDPA with dropout
+                 (--attention-backend sdpa: its math path): q, k, v + three fp32 S*S per
+                 head (probabilities, mask, dropped); the block kernel of
+                 model/attention/block.py (any mask but plain causal on CPU, any attention
+                 dropout on CPU, --attention-backend block; its dropout mask is hashed
+                 again in backward, never kept): q, k, v, out, e*(2Q + 2K), and
                  lse -- no probabilities (plain causal there runs the fused kernel of
                  model/attention/fused.py, which keeps the same, as SDPA); the ring (cp > 1,
                  parallel/ring.py, inside Ulysses) the same (its output merged in fp32,

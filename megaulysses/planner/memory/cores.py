@@ -122,9 +122,21 @@ def _block_set(s: _Shape, keys: int, backward: bool = True) -> int:
     out_rows = F32 * (1 if s.documents else s.b) * s.core_heads * s.block * s.d
     if not backward:  # at the scores' masking (fp32) or cast (autocast), or at the output
         return s.scores(keys, False) + max(
-            (2 if s.e == F32 else 1) * s.block * s.rep * keys, out_rows)
+            (2 if s.e == F32 else 1) * s.block * s.rep * keys, out_rows,
+            _dropout_set(s, keys, False))
     return (s.scores(keys) + (2 + (1 if s.rep > 1 else 0)) * s.lse
-            + s.block * s.rep * keys + out_rows)
+            + s.block * s.rep * keys + out_rows + _dropout_set(s, keys, True))
+
+
+def _dropout_set(s: _Shape, keys: int, backward: bool) -> int:
+    """Attention dropout's positional mask for one query block (model/attention/dropout.py;
+    nothing of it is kept: backward hashes it again): while it is hashed, an int64 word
+    per score and its shifted copy, 16 bytes a score, beside the block's scores (forward)
+    or its P (backward: 12 more than the P and dS counted, which come after)."""
+    if not s.attn_dropout:
+        return 0
+    scores = (1 if s.documents else s.b) * s.core_heads * s.block * keys
+    return (12 if backward else 16) * scores
 
 
 def _ring_backward(s: _Shape) -> int:

@@ -133,6 +133,8 @@ class _Shape:
     groups: int = 1  # --attention-head-groups: the core runs by groups of heads (cores.py)
     selective: bool = False  # --recompute-activations (cores.py's head groups need it)
     chunks: int = 0  # --ds-sequence-parallel-fpdt: sequence chunks (chunked.py); 0: off
+    attn_dropout: bool = False  # --attention-dropout > 0: the block kernels hash a mask
+    # per query block (model/attention/dropout.py; cores.py's `_dropout_set`)
     fpdt_host: bool = False  # --ds-sequence-parallel-fpdt-offloading
 
     @property
@@ -191,7 +193,8 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
     T = t.micro_batch_size * m.seq_length // (sp * cp)
     kernel = _kernel(cfg, dims, device_type)
     chunks = fpdt_chunks(m, cfg.memory) if kernel == "fpdt" else 0
-    fused = kernel in ("ring", "fpdt") and _fused(cfg, device_type)
+    # attention dropout: the positional mask runs on the blocks, never the fused kernel
+    fused = kernel in ("ring", "fpdt") and _fused(cfg, device_type) and not m.attention_dropout
     blocks = (_blocks(m, cp, cp_rank) if kernel in ("masked", "ring") and not fused
               else (64, 0, 0, 0))
     if chunks:  # parallel/fpdt.py: the block kernel's block divides a local chunk
@@ -217,7 +220,8 @@ def _shape(cfg: Config, dims: ParallelDims, device_type: str, cp_rank: int = 0) 
                   kernel=kernel, block=blocks[0], keys=blocks[1], keys_later=blocks[2],
                   keys_arriving=blocks[3],
                   documents=cfg.data.reset_attention_mask, fused=fused, cp_rank=cp_rank,
-                  ce_rows=rows_per_chunk(T, V, device_type))
+                  ce_rows=rows_per_chunk(T, V, device_type),
+                  attn_dropout=m.attention_dropout > 0)
 
 
 def _describe(s: _Shape) -> str:
@@ -255,18 +259,25 @@ def _fused(cfg: Config, device_type: str) -> bool:
 
 
 def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
-    """The attention core `select_backend`, `cpu_attention` and the ring run."""
+    """The attention core `select_backend`, `cpu_attention` and the ring run. Attention
+    dropout: the block kernel (its positional mask; never the fused one) on CPU under
+    `auto` or `block`, and on CUDA under `auto` for masks flash cannot run (flex has no
+    dropout; flash is assumed installed for 16-bit); SDPA's math path on CPU under
+    `sdpa`."""
     m, half = cfg.model, cfg.train.bf16 or cfg.train.fp16
+    drop = m.attention_dropout > 0
     if dims.cp > 1:
         return "ring"  # parallel/ring.py, whatever the backend (and inside Ulysses)
     if dims.sp > 1 and cfg.memory.ds_sequence_parallel_fpdt:
         return "fpdt"  # parallel/fpdt.py: chunked, on the block kernel (planner/chunked.py)
     if m.attention_backend == "math":
         return "math"
-    if m.attention_backend == "block" and _fused(cfg, device_type):
+    if m.attention_backend == "block" and _fused(cfg, device_type) and not drop:
         return "fused"  # the block backend's fused kernel: q, k, v, out, lse, as SDPA
-    if m.attention_backend == "block" or (device_type == "cpu" and _masked(cfg)
-                                          and m.attention_backend == "auto"):
+    auto = m.attention_backend == "auto"
+    cuda_blocks = drop and _masked(cfg) and (not half or m.attention_sparsity != "dense")
+    if m.attention_backend == "block" or (auto and device_type == "cpu" and (
+            _masked(cfg) or drop)) or (auto and device_type == "cuda" and cuda_blocks):
         return "masked"  # model/attention/block.py: masked_block_attention
     if m.attention_backend in ("flash", "flex"):
         return "sdpa"  # both keep q, k, v, out and the logsumexp
