@@ -455,10 +455,12 @@ def bucket_bytes(par, params: list) -> int:
 
 def fuses_weight_gradients(cfg: RunConfig) -> bool:
     """Megatron-LM's gradient-accumulation fusion (its default) in this distributed-
-    optimizer run: off by --no-gradient-accumulation-fusion, and under zero-bubble, whose
-    weight pass needs autograd's weight gradients."""
-    return not (cfg.parallel.no_gradient_accumulation_fusion
-                or cfg.parallel.pipeline_schedule == "zero-bubble")
+    optimizer run: off by --no-gradient-accumulation-fusion, under zero-bubble (its weight
+    pass needs autograd's weight gradients) and under tensor parallelism (DTensor weights:
+    not done here)."""
+    par = cfg.parallel
+    return not (par.no_gradient_accumulation_fusion or par.pipeline_schedule == "zero-bubble"
+                or par.tensor_model_parallel_size > 1)
 
 
 def describe(cfg: RunConfig) -> str:
@@ -484,7 +486,9 @@ def describe(cfg: RunConfig) -> str:
               if par.overlap_param_gather else "runs after the step")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     off = ("--no-gradient-accumulation-fusion" if par.no_gradient_accumulation_fusion
-           else "no gradient-accumulation fusion under --pipeline-schedule zero-bubble")
+           else "no gradient-accumulation fusion under "
+           + ("--pipeline-schedule zero-bubble" if par.pipeline_schedule == "zero-bubble"
+              else "tensor parallelism here"))
     fusion = (f"linear layers' weight gradients added into the buffer directly, in its "
               f"dtype, no per-micro-batch gradient (gradient-accumulation fusion: "
               f"{wgrad_backend(device)})"

@@ -173,8 +173,7 @@ class _States:
             # autograd makes each block linear's weight gradient in 16 bits before it is
             # added into the buffer: the largest lives during its layer's backward. Fused,
             # the linears add theirs into the buffer directly (model/fused_linear.py).
-            fused = (fuses_weight_gradients(cfg)
-                     and cfg.parallel.tensor_model_parallel_size == 1)
+            fused = fuses_weight_gradients(cfg)
             linears = [math.prod(sh) for name, sh in block if len(sh) == 2
                        and name.split(".", 2)[2].rsplit(".", 1)[0] in BLOCK_LINEARS]
             self.wgrad16 = 0 if fused else 2 * max(linears, default=0)
