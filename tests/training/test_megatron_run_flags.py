@@ -105,7 +105,10 @@ def test_a_reproducible_spike_is_said_so_and_trained_with(tmp_path, caplog):
 
 
 GRIDS = {"dp2-zero3": ["--zero-stage", "3"], "pp2": ["--pipeline-model-parallel-size", "2"],
-         "tp2": ["--tensor-model-parallel-size", "2"]}
+         "tp2": ["--tensor-model-parallel-size", "2"],
+         # the fp32 gradient buffer that fused accumulation adds into, and overlapped gathers
+         "dp2-distopt-bf16": ["--use-distributed-optimizer", "--bf16", "--overlap-grad-reduce",
+                              "--overlap-param-gather"]}
 
 
 def spikes_on_grids(rank, world, tmp) -> dict:
@@ -133,15 +136,17 @@ def spikes_on_grids(rank, world, tmp) -> dict:
 
 
 def test_a_spike_on_one_rank_reruns_the_step_on_every_rank(tmp_path):
-    """dp2 under ZeRO-3, pp2 (the head on the last stage), tp2: a transient spike in one
-    rank's forward makes every rank run the step again (the decision is the global loss's
-    and norm's, alike everywhere), and each grid ends bit-equal to its clean run."""
+    """dp2 under ZeRO-3, pp2 (the head on the last stage), tp2, and dp2 with the
+    distributed optimizer in bf16 (fused accumulation, overlapped reduce and gather): a
+    transient spike in one rank's forward makes every rank run the step again (the
+    decision is the global loss's and norm's, alike everywhere), and each grid ends
+    bit-equal to its clean run."""
     from dist import run_ranks
     diffs, calls = run_ranks(spikes_on_grids, 2, str(tmp_path), timeout=300)
     assert diffs == {name: 0.0 for name in GRIDS}, diffs
     # the spiking rank's head ran its micro-batches twice: the step and its rerun (global
     # batch 4 of micro-batches of 2: dp2 1 a rank and pass; pp2, tp2 2)
-    assert calls == {"dp2-zero3": 2, "pp2": 4, "tp2": 4}, calls
+    assert calls == {"dp2-zero3": 2, "pp2": 4, "tp2": 4, "dp2-distopt-bf16": 2}, calls
 
 
 def test_large_grads_alone(tmp_path, caplog):
