@@ -167,8 +167,6 @@ def test_refuses_what_it_cannot_run():
     from megaulysses.parallel.fpdt import ChunkedUlyssesAttention
     core = ChunkedUlyssesAttention(Comm(), chunks=3, offload=False)
     q = torch.randn(1, 8, 2, 4)
-    with pytest.raises(ValueError, match="dropout"):
-        core(q, q, q, 0.1)
     with pytest.raises(ValueError, match="chunks"):
         core(q, q, q)
     with pytest.raises(ValueError, match="chunks >= 1"):
