@@ -18,8 +18,8 @@ Every grid runs in one spawned process: the device's name is that process's one
 PrivateUse1 backend for good (torch allows one per process), which pytest's own process
 should not get, and one start-up of torch serves every grid.
 
-Masked models use `--attention-backend math`: the CPU block kernel plans its blocks from
-the mask's values (`nonzero`), which fake tensors do not have; the ring (cp) uses it too,
+Masked models, and attention dropout, use `--attention-backend math`: the CPU block
+kernel plans its blocks from the mask's values (`nonzero`), which fake tensors do not have; the ring (cp) uses it too,
 so context parallelism is not run here. What else the fake device cannot show is listed
 in fake_device.py.
 """
@@ -45,7 +45,10 @@ SP2 = ["--ds-sequence-parallel-size", "2"]
 MEGATRON_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 GPT2 = ["--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm",
         "--add-bias-linear", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0.1",
-        "--attention-dropout", "0.1"]
+        "--attention-dropout", "0.1",
+        # attention dropout: `auto` picks the block kernel (its positional mask), which plans
+        # from values as for masks (below); math draws the same mask densely, on the device
+        "--attention-backend", "math"]
 MASKS = ["--attention-backend", "math", "--window-size", "8", "--reset-attention-mask",
          "--reset-position-ids"]
 NORMS = ["--log-params-norm", "--log-num-zeros-in-grad"]  # their sums run on the device too
