@@ -131,13 +131,14 @@ class ParallelConfig:
         "for it), not after the step; ZeRO-2/3 gather ahead of each block anyway",
         action="store_true")
     ddp_bucket_size: Optional[int] = option(
-        None, "with the distributed optimizer: parameters per bucket of its gradient buffer "
-        "(each bucket is reduce-scattered, and its weights all-gathered, as one; Megatron-LM's "
-        "count of parameters); default: 25 MiB of 16-bit weights. ZeRO-0/1 without it and "
-        "FSDP keep their own buckets", kind="positive")
+        None, "parameters per gradient bucket (Megatron-LM's count): each bucket is reduced as "
+        "one (all-reduced at --zero-stage 0, reduce-scattered at 1 and by the distributed "
+        "optimizer, whose weights' all-gather goes by the same buckets); default: 25 MiB of "
+        "gradients (of 16-bit weights in the distributed optimizer). FSDP (--zero-stage 2/3) "
+        "reduces block by block", kind="positive")
     ddp_num_buckets: Optional[int] = option(
-        None, "with the distributed optimizer: about this many buckets (parameters // this "
-        "per bucket; it wins over --ddp-bucket-size, as in Megatron-LM)", kind="positive")
+        None, "about this many gradient buckets (parameters // this per bucket; it wins over "
+        "--ddp-bucket-size, as in Megatron-LM)", kind="positive")
     optimizer_cpu_offload: bool = option(
         False, "with --use-distributed-optimizer: the fp32 main weights and Adam moments (of "
         "--optimizer-offload-fraction of the parameters) live and step on the host, in "

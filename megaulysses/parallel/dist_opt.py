@@ -48,8 +48,7 @@ from megaulysses.config import RunConfig
 from megaulysses.model.fused_linear import linear_to_sink
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
-from megaulysses.parallel.grad_reduce import (BUCKET_BYTES, RowShard, _local, _make_buckets,
-                                              _storage_bytes)
+from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets, _storage_bytes
 from megaulysses.parallel.offload import HostState
 from megaulysses.parallel.zero import ShardedAdamW
 
@@ -439,18 +438,6 @@ def grad_buffer_dtype(cfg) -> torch.dtype:
     if cfg.train.fp16 and not par.accumulate_allreduce_grads_in_fp32:
         return torch.float16
     return torch.float32
-
-
-def bucket_bytes(par, params: list) -> int:
-    """Bytes of 16-bit weights per bucket (`_make_buckets` closes a bucket once it holds
-    this many): Megatron-LM's --ddp-num-buckets (this rank's parameters // it, each bucket)
-    over --ddp-bucket-size (parameters), else BUCKET_BYTES."""
-    if par.ddp_num_buckets is not None:
-        numel = sum(_local(p).numel() for p in params) // par.ddp_num_buckets
-        return 2 * max(numel, 1)
-    if par.ddp_bucket_size is not None:
-        return 2 * par.ddp_bucket_size
-    return BUCKET_BYTES
 
 
 def fuses_weight_gradients(cfg: RunConfig) -> bool:

@@ -163,6 +163,18 @@ class GradReducer:
                 offset += shard.padded_numel
 
 
+def bucket_bytes(par, numel: int, itemsize: int) -> int:
+    """Bytes per bucket (`_make_buckets` closes a bucket once it holds this many) of a
+    rank's `numel` parameters held in `itemsize`-byte gradients: Megatron-LM's
+    --ddp-num-buckets (numel // it parameters each) over --ddp-bucket-size (parameters),
+    else BUCKET_BYTES."""
+    if par.ddp_num_buckets is not None:
+        return itemsize * max(numel // par.ddp_num_buckets, 1)
+    if par.ddp_bucket_size is not None:
+        return itemsize * par.ddp_bucket_size
+    return BUCKET_BYTES
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

@@ -45,9 +45,9 @@ from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dist_opt import (DistributedOptimizer, bucket_bytes,
-                                          fuses_weight_gradients, grad_buffer_dtype)
-from megaulysses.parallel.grad_reduce import BUCKET_BYTES
+from megaulysses.parallel.dist_opt import (DistributedOptimizer, fuses_weight_gradients,
+                                          grad_buffer_dtype)
+from megaulysses.parallel.grad_reduce import BUCKET_BYTES, bucket_bytes
 from megaulysses.parallel.head_groups import apply_head_groups
 from megaulysses.parallel.dims import DP_SP, PP, TP
 from megaulysses.parallel.pipeline import Pipeline, keep_stages, local_stages, stage_modules
@@ -116,7 +116,7 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
                        (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather,
-                       bucket_bytes(par, list(model.parameters())), grad_buffer_dtype(cfg),
+                       _bucket_bytes(par, model), grad_buffer_dtype(cfg),
                        fuses_weight_gradients(cfg))
     return Parallelized(model, pipeline, zero, zero_stage)
 
@@ -149,6 +149,14 @@ def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def _bucket_bytes(par, model: nn.Module) -> tuple[int, int]:
+    """Bytes per gradient bucket (--ddp-bucket-size, --ddp-num-buckets: Megatron-LM's
+    counts of parameters) of 16-bit weights (the distributed optimizer buckets those)
+    and of fp32 gradients (ZeRO-0/1's reducer)."""
+    numel = sum(p.numel() for p in model.parameters())  # as _make_buckets counts them
+    return bucket_bytes(par, numel, 2), bucket_bytes(par, numel, 4)
+
+
 def residual_dtype(cfg: RunConfig, dtype: torch.dtype) -> torch.dtype:
     """The residual stream's dtype: the compute dtype, fp32 under
     --fp32-residual-connection (model/gpt.py's Embedding)."""
@@ -167,12 +175,14 @@ def _micro_shape(cfg: RunConfig, dtype: torch.dtype) -> tuple:
 def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], reduce_dtype,
                 groups: list[dict], make_optimizer, dist_opt: Optional[torch.dtype],
                 offload: tuple = (None, False), overlap_gather: bool = False,
-                bucket: int = BUCKET_BYTES, buffer: Optional[torch.dtype] = None,
+                bucket: tuple = (BUCKET_BYTES, BUCKET_BYTES),
+                buffer: Optional[torch.dtype] = None,
                 fuse: bool = False) -> Zero:
     """`dist_opt`: the 16-bit dtype of Megatron-LM's distributed optimizer (its weights
     in that dtype, fp32 main rows; dist_opt.py), or None (fp32 weights, this ZeRO stage);
-    `offload`: its (host fraction or None, overlapped copies) (offload.py); `bucket`: its
-    bytes of 16-bit weights per bucket (--ddp-bucket-size, --ddp-num-buckets), `buffer` its
+    `offload`: its (host fraction or None, overlapped copies) (offload.py); `bucket`: bytes
+    per gradient bucket of its 16-bit weights and of ZeRO-0/1's fp32 gradients
+    (`_bucket_bytes`); `buffer`: its
     gradient buffer's dtype (default: `reduce_dtype`); `fuse`: its gradient-accumulation
     fusion (Megatron-LM's)."""
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
@@ -183,7 +193,7 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
     own = None
     if dist_opt is not None:
         own = DistributedOptimizer(groups, comm, dist_opt, buffer or reduce_dtype,
-                                   bucket, make_optimizer, align, *offload)
+                                   bucket[0], make_optimizer, align, *offload)
         if pipeline is None and model.head.output is None:  # tied: two uses in one graph
             model.embed.word.weight.grad_sink = own.take
         if fuse:
@@ -191,7 +201,8 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
         if overlap_gather:
             own.attach(model)
     zero = Zero(model, comm, stage, groups, make_optimizer, reduce_dtype,
-                roots if stage >= 2 else [], align, optimizer=own)
+                roots if stage >= 2 else [], align, optimizer=own,
+                bucket_mb=bucket[1] / 2 ** 20)
     if pipeline is not None:
         pipeline.overlap_grad_reduction(zero.before_last_backward)
         if own is not None:

@@ -47,7 +47,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
-from megaulysses.parallel.grad_reduce import GradReducer, RowShard, _local, _storage_bytes
+from megaulysses.parallel.grad_reduce import (BUCKET_MB, GradReducer, RowShard, _local,
+                                              _storage_bytes)
 from megaulysses.parallel.zero_units import shard_blocks, shard_root  # noqa: F401 (FSDP2 units)
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class Zero:
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
                  reduce_dtype: torch.dtype, fsdp_roots: list,
                  align: Optional[Callable[[torch.Tensor], None]] = None,
-                 optimizer: Optional[ShardedAdamW] = None):
+                 optimizer: Optional[ShardedAdamW] = None, bucket_mb: float = BUCKET_MB):
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
         # `optimizer` (own): one that reduces, holds and steps (dist_opt.py)
@@ -232,8 +233,8 @@ class Zero:
         if stage <= 1 and n > 1 and optimizer is None:
             shards = ({p: RowShard.of(_local(p), n, comm.rank(DIM)) for p in self.params}
                       if stage == 1 else None)
-            self.reducer = GradReducer(list(model.parameters()), comm, DIM, shards=shards,
-                                       reduce_dtype=reduce_dtype, align=align)
+            self.reducer = GradReducer(list(model.parameters()), comm, DIM, bucket_mb,
+                                       shards=shards, reduce_dtype=reduce_dtype, align=align)
         self.optimizer = optimizer or (ShardedAdamW(groups, comm, self.reducer, make_adamw)
                                        if stage == 1 else make_adamw(groups))
         self._reduces = self.reducer or optimizer  # what arm() and finish() go to, if any

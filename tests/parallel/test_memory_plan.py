@@ -73,6 +73,8 @@ GRIDS = {  # world -> {name: flags}
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
+        "dp2, ZeRO-1, 4 buckets (--ddp-num-buckets), none": [
+            "--zero-stage", "1", "--ddp-num-buckets", "4"],
         "dp2, distributed optimizer, offload 0.5, bf16 gradients, none": [
             "--use-distributed-optimizer", "--bf16", "--optimizer-cpu-offload",
             "--optimizer-offload-fraction", "0.5", "--grad-reduce-in-bf16"],

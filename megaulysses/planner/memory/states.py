@@ -27,7 +27,7 @@ along dim 0 into ceil(rows/N)-row pieces.
                 fusion) a block linear's 16-bit weight gradient in its layer's backward;
                 --optimizer-cpu-offload moves its fraction
                 of the main weights, moments and main gradients to the host (`host`)
-    reduction   stage 0: a flat copy of every 25 MiB bucket (--grad-reduce-dtype) until
+    reduction   stage 0: a flat copy of every bucket (25 MiB, --ddp-bucket-size) until
                 all all-reduces end, + P; stage 1: earlier buckets in flight, the last
                 one's gradients, padded pieces and their concatenation; at the step the
                 reduced rows and the all-gather of the updated rows (N pieces); FSDP: a
@@ -49,7 +49,7 @@ import torch
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.parallel.dims import ParallelDims
 from megaulysses.parallel.dist_opt import fuses_weight_gradients, grad_buffer_dtype
-from megaulysses.parallel.grad_reduce import BUCKET_BYTES
+from megaulysses.parallel.grad_reduce import bucket_bytes
 from megaulysses.parallel.tensor import BLOCK_LINEARS, VOCAB_PARALLEL
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
 
@@ -137,7 +137,8 @@ class _States:
         self.head_unit = n * _Sizes.of([sh for name, sh in params if ends and
                                         name.startswith("head.")], n).piece  # padded
         self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
-                                 for _, sh in params])
+                                 for _, sh in params],
+                                bucket_bytes(cfg.parallel, self.local // F32, F32))
         self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
         self.held_params = self.piece if stage >= 2 else self.local
         # autocast caches e-byte copies of the blocks' linear weights, saved for backward
@@ -252,13 +253,14 @@ def _block(name: str) -> Optional[str]:
     return name.split(".")[1] if name.startswith("layers.") else None
 
 
-def _buckets(sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _buckets(sizes: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     """grad_reduce._make_buckets over (bytes, padded bytes) per parameter: in reverse order, a
-    bucket closed once it reaches BUCKET_BYTES; both sums per bucket."""
+    bucket closed once it reaches `limit` bytes (BUCKET_BYTES, or --ddp-bucket-size's);
+    both sums per bucket."""
     buckets, local, padded = [], 0, 0
     for n, n_padded in reversed(sizes):
         local, padded = local + n, padded + n_padded
-        if local >= BUCKET_BYTES:
+        if local >= limit:
             buckets.append((local, padded))
             local, padded = 0, 0
     if local:
