@@ -20,7 +20,8 @@ sharded over dp x sp.
 4. --optimizer-cpu-offload changes no number (exact), whatever the fraction, and its
    checkpoints load without it and the reverse.
 5. --overlap-param-gather changes no number (exact); the weights' gathers are still in
-   flight after the step and finished by the next forward's hooks.
+   flight after the step and finished by the next forward's first reads of their weights
+   (tests/parallel/test_overlap_param_gather.py: wherever a weight is read).
 """
 
 import math
@@ -158,7 +159,7 @@ def test_param_gather_runs_until_the_forward_needs_it(tmp_path):
                                 str(tmp_path / "cache")]
     for after_step, after_forward in run_ranks(gathers_in_flight, 2, args):
         assert after_step and all(after_step)  # launched at the step, not waited for
-        assert not any(after_forward)  # the forward's hooks finished every one
+        assert not any(after_forward)  # the forward's reads finished every one
 
 
 def test_offloaded_checkpoints_load_either_way(runs):
