@@ -96,7 +96,9 @@ def attention_backend(cfg: RunConfig, device: torch.device,
         raise ConfigError(flag, rule) from None
     if cfg.dims.cp > 1:
         log.info("attention: ring over cp = %d: plain causal or full steps on a fused kernel, "
-                 "masked steps on the block kernel", cfg.dims.cp)
+                 "masked steps on the block kernel%s", cfg.dims.cp,
+                 ", every step with attention dropout (its positional mask)"
+                 if m.attention_dropout else "")
         name = "ring"
     return name, core
 
