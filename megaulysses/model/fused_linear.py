@@ -1,7 +1,8 @@
 """A linear whose weight gradient autograd never sees: Megatron-LM's gradient-accumulation
-fusion. Backward hands the layer's input and output gradient to a sink (the distributed
-optimizer, parallel/dist_opt.py), which adds x^T-weighted products straight into its fp32
-gradient buffer: no 16-bit weight gradient, no `.grad` tensor per micro-batch.
+fusion. Backward hands the layer's input x and output gradient g to a sink (the
+distributed optimizer, parallel/dist_opt.py), which adds g^T x straight into its gradient
+buffer, summed in the buffer's dtype (fp32 by default): no 16-bit weight gradient, no
+`.grad` tensor per micro-batch.
 
 Imports nothing distributed: the sink is any object with `used(w)` (a forward that will
 have a backward) and `wgrad(w, x, g)` (x `[T, in]`, g `[T, out]`, both in the compute
