@@ -8,9 +8,10 @@ the same drop wherever the pair is computed, so only fp32 rounding differs.
 
 The key reaches every rank the way training draws it: `torch.manual_seed` then a float
 dropout, which the outermost core turns into its key (AttentionDropout.draw) -- the same
-draw on every rank and in the reference. Training: 2-rank grids (Ulysses, ring, FPDT, head
-groups with selective recomputation, tensor parallel with full recomputation) give one
-process's losses with attention dropout 0.1 (below)."""
+draw on every rank and in the reference. Training: 2-rank grids (Ulysses, the ring plain
+and with a sliding window, FPDT with a window, head groups with selective recomputation,
+tensor parallel with full recomputation) give one process's losses with attention dropout
+0.1 (below)."""
 
 import pytest
 import torch
@@ -114,18 +115,20 @@ def test_every_grid_equals_one_process_with_dropout(results):
 TRAIN = ["--attention-dropout", "0.1", "--train-iters", "3", "--eval-iters", "0",
          "--lr-warmup-iters", "1"]
 SP2 = ["--ds-sequence-parallel-size", "2"]
-TRAIN_GRIDS = {
-    "ulysses sp2": SP2,
-    "ring cp2": ["--context-parallel-size", "2"],
-    "fpdt sp2": SP2 + ["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
-                       "16"],
-    "head groups 2, sp2, selective recompute": SP2 + ["--attention-head-groups", "2",
-                                                      "--recompute-activations"],
-    "tp2, full recompute": ["--tensor-model-parallel-size", "2", "--recompute-granularity",
-                            "full"],
+WINDOW = ["--window-size", "12"]  # a mask beside plain causal
+TRAIN_GRIDS = {  # name: (the model's mask flags, as one process runs it too; grid flags)
+    "ulysses sp2": ([], SP2),
+    "ring cp2": ([], ["--context-parallel-size", "2"]),
+    "ring cp2, window 12": (WINDOW, ["--context-parallel-size", "2"]),
+    "fpdt sp2, window 12": (WINDOW, SP2 + [
+        "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "16"]),
+    "head groups 2, sp2, selective recompute": ([], SP2 + [
+        "--attention-head-groups", "2", "--recompute-activations"]),
+    "tp2, full recompute": ([], ["--tensor-model-parallel-size", "2",
+                                 "--recompute-granularity", "full"]),
 }
 # per step, relative: test_parity.py's fp32 tolerance (the grids reorder sums only);
-# measured 1.2e-7 (sp2, cp2, FPDT, head groups), 0 (tp2). Without tensor parallelism's head
+# measured 1.2e-7 (sp2, cp2, head groups), 5.8e-8 (window: cp2, FPDT), 0 (tp2). Without tensor parallelism's head
 # offset, tp2 differs by 2.9e-4: the test sees a rank drawing another head's masks.
 LOSS_RTOL = 1e-5
 
@@ -153,22 +156,25 @@ def test_training_grids_equal_one_process_with_dropout(tmp_path):
 
     from megaulysses.config import parse_args
     from megaulysses.training.trainer import Trainer
-    path, args = _train_args(tmp_path, "ref", [])
-    Trainer(parse_args(args)).train()
-    want = train_losses(read_jsonl(path))
+    want = {}  # mask flags -> one process's losses
+    for i, mask in enumerate({tuple(m) for m, _ in TRAIN_GRIDS.values()}):
+        path, args = _train_args(tmp_path, f"ref{i}", mask)
+        Trainer(parse_args(args)).train()
+        want[mask] = train_losses(read_jsonl(path))
     path0, args0 = _train_args(tmp_path, "nodrop", ["--attention-dropout", "0"])
     Trainer(parse_args(args0)).train()
-    assert train_losses(read_jsonl(path0))[1] != want[1]  # the dropout is on
+    assert train_losses(read_jsonl(path0))[1] != want[()][1]  # the dropout is on
     runs, paths = [], {}
-    for i, (name, flags) in enumerate(TRAIN_GRIDS.items()):
-        paths[name], grid_args = _train_args(tmp_path, f"grid{i}", flags)
+    for i, (name, (mask, flags)) in enumerate(TRAIN_GRIDS.items()):
+        paths[name], grid_args = _train_args(tmp_path, f"grid{i}", mask + flags)
         runs.append(grid_args)
     run_ranks(train_runs, 2, runs)
+    ref = {name: want[tuple(mask)] for name, (mask, _) in TRAIN_GRIDS.items()}
     worst = {name: max(abs(train_losses(read_jsonl(p))[k] - v) / abs(v)
-                       for k, v in want.items()) for name, p in paths.items()}
+                       for k, v in ref[name].items()) for name, p in paths.items()}
     print("relative loss differences:", worst)
     for name, p in paths.items():
         got = train_losses(read_jsonl(p))
         assert sorted(got) == [1, 2, 3], name
-        for step, loss in want.items():
-            assert abs(got[step] - loss) <= LOSS_RTOL * abs(loss), (name, step, got, want)
+        for step, loss in ref[name].items():
+            assert abs(got[step] - loss) <= LOSS_RTOL * abs(loss), (name, step, got, loss)
