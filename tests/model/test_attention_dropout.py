@@ -162,3 +162,19 @@ def test_recomputation_draws_the_same_masks(recompute):
     attention_only = _grads(None, hidden_dropout=0.0)[1]
     other = _grads(None, seed=6, hidden_dropout=0.0)[1]
     assert any(not torch.equal(g, other[n]) for n, g in attention_only.items())
+
+
+def test_sdpa_dropout_is_seeded_per_call_and_head():
+    """SDPA's own dropout (its RNG, not the positional mask): with a call's AttentionDropout
+    the generator is seeded from (key, first head) and restored, so the same key gives the
+    same output, another first head (another tensor-parallel or Ulysses rank's heads) other
+    masks, and the global generator's stream (hidden dropout's) does not move."""
+    from megaulysses.model.attention import AttentionDropout, sdpa_attention
+    q, k, v, _ = _inputs(4, 4)
+    drop = AttentionDropout(0.3, key=4321)
+    state = torch.get_rng_state()
+    first = sdpa_attention(q, k, v, drop)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(sdpa_attention(q, k, v, drop), first)
+    assert not torch.equal(sdpa_attention(q, k, v, drop.shifted(4)), first)
+    assert _rel(first, sdpa_attention(q, k, v, 0.0)) > 0.05  # it dropped

@@ -22,7 +22,10 @@ agree among themselves but not with one process; on CUDA hidden dropout uses the
 generator and does not disturb the keys). Where it cannot: the fused kernels' own dropout
 (torch SDPA, flash-attn: `--attention-backend sdpa|flash`, and `auto` on CUDA for plain
 causal or flash's masks) draws from the device RNG by its own element order; no grid equals
-one process there (and recomputation is exact only through the checkpoint's RNG restore).
+one process there. `kernel_rng` seeds that generator per call from (key, first head) and
+restores it after: each rank's heads draw their own masks (one seed on every tensor-parallel
+or Ulysses rank would give their head 0 the same mask), a recomputation draws the same
+masks, and the generator's stream (hidden dropout's) does not move.
 Samples are numbered within the micro-batch, so data parallel ranks draw alike-shaped
 but unrelated masks (their data differ anyway).
 
@@ -35,8 +38,9 @@ expectation of every probability is exact (the scale differs from 1/(1-p) by < 2
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -132,6 +136,37 @@ class AttentionDropout:
     def apply_(self, t: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """t with the dropped entries zeroed and the kept ones scaled, in place."""
         return t.masked_fill_(dropped, 0.0).mul_(self.scale)
+
+    @property
+    def kernel_seed(self) -> int:
+        """A seed for a fused kernel's own dropout RNG from (key, first head): 63 bits."""
+        lo = _mix_int(self.key ^ _mix_int(self.head + _GOLDEN))
+        hi = _mix_int(lo ^ (self.key >> 32) ^ _mix_int(self.head))
+        return ((hi & 0x7FFFFFFF) << 32) | lo
+
+
+@contextlib.contextmanager
+def kernel_rng(dropout: "DropoutArg", device: torch.device) -> Iterator[None]:
+    """Around a fused kernel with its own dropout (SDPA, flash-attn): with an
+    AttentionDropout, the device's generator seeded from (key, first head) for the call and
+    restored after. Each rank's heads (tensor parallel, Ulysses) then draw masks of their
+    own (the same seed on every rank would give head 0 of every rank the same mask), the
+    call is reproducible from --seed and its recomputation draws the same masks, and the
+    generator's stream (the hidden dropout's) is not moved. The masks are the kernel's
+    own, not the positional ones: no grid equals one process through them."""
+    if not isinstance(dropout, AttentionDropout):
+        yield
+        return
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [],
+                               device_type="cuda" if cuda else None):
+        if cuda:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(dropout.kernel_seed)
+        else:
+            torch.default_generator.manual_seed(dropout.kernel_seed)
+        yield
 
 
 DropoutArg = Union[float, AttentionDropout, None]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megaulysses.model.attention.block import masked_block_attention
 from megaulysses.model.attention.block_causal import block_causal_attention
-from megaulysses.model.attention.dropout import DropoutArg, as_dropout, dropout_prob
+from megaulysses.model.attention.dropout import DropoutArg, as_dropout, dropout_prob, kernel_rng
 from megaulysses.model.attention.mask import FULL, PARTIAL, SKIP, AttentionMask, SparseLayout
 
 if TYPE_CHECKING:
@@ -60,8 +60,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    dropout_p: DropoutArg = 0.0,
                    mask: Optional[AttentionMask] = None) -> torch.Tensor:
     """torch SDPA: flash-style kernels on CPU and CUDA (no s x s matrix for causal).
-    Dropout from SDPA's own RNG (the device's generator, its element order): not the
-    positional mask, so no grid equals one process with it."""
+    Dropout from SDPA's own RNG (the device's generator, its element order; seeded per
+    call and first head, `kernel_rng`): not the positional mask, so no grid equals one
+    process with it."""
     _require_causal(mask, "sdpa")
     hq, d = q.shape[2:]
     hkv = k.shape[2]
@@ -71,8 +72,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))  # [b, s, hq, d]
         gqa = False
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_prob(dropout_p),
-                                         is_causal=True, enable_gqa=gqa)
+    with kernel_rng(dropout_p, q.device):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_prob(dropout_p),
+                                             is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)  # [b, s, hq, d]
 
 
@@ -137,8 +139,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The flash_attn package (CUDA, fp16/bf16): [b, s, h, d], GQA, causal, window; packed
     documents through its varlen kernel (the batch flattened, one sequence per document),
     with cu_seqlens made once per batch (`flash_varlen_args`): no host sync per layer.
-    Dropout from flash-attn's own RNG (the CUDA generator): no grid equals one process."""
-    dropout_p = dropout_prob(dropout_p)
+    Dropout from flash-attn's own RNG (the CUDA generator, seeded per call and first head,
+    `kernel_rng`): no grid equals one process."""
+    with kernel_rng(dropout_p, q.device):
+        return _flash(q, k, v, dropout_prob(dropout_p), mask)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+           mask: Optional[AttentionMask]) -> torch.Tensor:
     mask = mask or AttentionMask()
     if mask.layout is not None:
         raise ValueError("the flash backend has no block-sparse layouts")
