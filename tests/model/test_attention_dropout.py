@@ -178,3 +178,30 @@ def test_sdpa_dropout_is_seeded_per_call_and_head():
     assert torch.equal(sdpa_attention(q, k, v, drop), first)
     assert not torch.equal(sdpa_attention(q, k, v, drop.shifted(4)), first)
     assert _rel(first, sdpa_attention(q, k, v, 0.0)) > 0.05  # it dropped
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_draws_the_cpu_masks():
+    """On CUDA the positional hash gives the CPU's masks (int64 arithmetic, no overflow):
+    the block kernel there == the CPU's math reference, out and gradients (fp32, TF32 off:
+    FP32_TOL); SDPA's own dropout there is reproducible per key and leaves the CUDA
+    generator where it was."""
+    from megaulysses.model.attention import (AttentionDropout, block_attention,
+                                             math_attention, sdpa_attention)
+    q, k, v, dy = _inputs(4, 2)
+    drop = AttentionDropout(0.2, key=2024)
+    want = _run(math_attention, q, k, v, dy, drop, _masks()["window"])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = _run(block_attention, *(t.cuda() for t in (q, k, v, dy)), drop,
+                   _masks()["window"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < FP32_TOL
+    qc, kc, vc = (t.cuda() for t in _inputs(4, 4)[:3])
+    state = torch.cuda.get_rng_state()
+    first = sdpa_attention(qc, kc, vc, drop)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    assert torch.equal(sdpa_attention(qc, kc, vc, drop), first)
