@@ -41,7 +41,7 @@ def read_any(load: str) -> tuple[dict, dict, str]:
 
 def continue_flags(cfg, trainer_flags) -> list[str]:
     """pretrain_gpt.py's model flags for an imported Megatron-LM model (its dropout kept)."""
-    flags = trainer_flags(cfg, None)
+    flags = trainer_flags(cfg, cfg.window_size)  # its window, where it had one
     at = flags.index("--hidden-dropout")
     flags[at:at + 4] = ["--hidden-dropout", repr(cfg.hidden_dropout), "--attention-dropout",
                         repr(cfg.attention_dropout)]

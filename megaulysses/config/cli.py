@@ -22,7 +22,7 @@ from megaulysses.config.rules import validate
 from megaulysses.config.fields import Flag
 from megaulysses.config.presets import SHAKESPEARE, apply_preset, preset_for
 from megaulysses.config.groups import COMPAT, GROUPS
-from megaulysses.config.schema import SECTIONS, Config
+from megaulysses.config.schema import SECTIONS, Config, megatron_window
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +122,24 @@ def finite_float(text: str) -> float:
     return v
 
 
+def window_size(text: str) -> Optional[int]:
+    """argparse type of --window-size: ours, W > 0, or Megatron-LM's "L,R" / "(L,R)"."""
+    parts = text.strip("()").split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer W or Megatron-LM's L,R, got "
+                                         f"{text!r}")
+    if len(values) == 1:
+        return positive_int("--window-size")(text)
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"must be W or L,R (two integers), got {text!r}")
+    try:
+        return megatron_window(*values)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def _gpu_name(text: str) -> str:
     """argparse type: a GPU of the planner's table (megaulysses/hardware.py)."""
     from megaulysses.hardware import UnknownGPU, gpu_spec
@@ -136,7 +154,7 @@ _ACTIONS = {"optional": argparse.BooleanOptionalAction}
 
 def _type(kind: Optional[str], flag: str) -> Optional[Callable[[str], Any]]:
     return {None: None, "positive": positive_int(flag), "number": finite_float, "int": int,
-            "gpu": _gpu_name}[kind]
+            "gpu": _gpu_name, "window": window_size}[kind]
 
 
 def _default(f: Field) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 class Flag:
     """One command-line flag of a field. `kind`: how the value is read and checked:
     "positive" (int > 0), "number" (finite float), "int", "gpu" (the planner's GPU table),
-    None (a string). `action`: an argparse action name ("store_true", "optional" for
+    "window" (--window-size: W, or Megatron-LM's L,R), None (a string). `action`: an argparse action name ("store_true", "optional" for
     --x/--no-x, "store_false", "store_const"); None: takes a value. `megatron`:
     Megatron-LM's name for it where it differs (None: the same name, or none there);
     `no_effect`: accepted for Megatron-LM's scripts but changes nothing here: why."""

@@ -42,6 +42,17 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
 # What the attention may see: not part of a checkpoint's shape (any mask loads any weights).
+def megatron_window(left: int, right: int) -> Optional[int]:
+    """Our --window-size W of Megatron-LM's window_size (left, right): query i attends keys
+    i-left..i+right, -1 meaning no bound. ValueError where it is not a causal window."""
+    if right != 0:
+        raise ValueError(f"({left}, {right}) attends {right} later tokens: only causal "
+                         "windows (right side 0) are trained here")
+    if left < -1:
+        raise ValueError(f"({left}, {right}): the left side must be >= 0, or -1 (no window)")
+    return None if left == -1 else left + 1
+
+
 MASK_FIELDS = ("window_size", "attention_sparsity", "sparse_block_size", "sparse_local_blocks",
                "sparse_global_blocks", "sparse_random_blocks", "sparse_seed")
 
@@ -122,8 +133,9 @@ class ModelConfig(RopeScalingConfig):  # + the RoPE scalings' fields
         choices=ATTENTION_BACKENDS + tuple(MEGATRON_ATTENTION))
     window_size: Optional[int] = option(
         None, "sliding window: each token attends the last W tokens, itself included "
-        "(Mistral-style); only blocks inside it are computed; default: none (full causal)",
-        kind="positive", group=MASK)
+        "(Mistral-style); only blocks inside it are computed; Megatron-LM's L,0 (keys L "
+        "back to 0 ahead) is W = L+1, its -1,0 no window; default: none (full causal)",
+        kind="window", group=MASK)
     attention_sparsity: str = option(
         "dense", "block-sparse layout: fixed (DeepSpeed / Sparse Transformer local windows + "
         "summary blocks) or bigbird (local + global + seeded random blocks); only attended "

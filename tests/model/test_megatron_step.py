@@ -228,7 +228,7 @@ def megatron_steps(rank, world, out_dir, style):
     mo.init_megatron(rank, world, 1, 1)
     args = mo.megatron_args(style)
     losses = []
-    with mo.optimizer_on_cpu():
+    with mo.cuda_on_cpu():
         model = mo.build_model(style)
         model.train()
         mo.save_legacy_torch(model, os.path.join(out_dir, "before"), 1, args)

@@ -161,8 +161,8 @@ def model_shape(style: str, **shape: int) -> dict[str, int]:
 
 
 def transformer_config(style: str, shape: dict[str, int], gelu_fusion: bool = True,
-                       sequence_parallel: bool = False,
-                       dtype: torch.dtype = torch.float32) -> TransformerConfig:
+                       sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                       window_size: tuple[int, int] | None = None) -> TransformerConfig:
     """TransformerConfig of a tiny model for the current parallel layout, CPU friendly.
     `gelu_fusion`: Megatron-LM's --bias-gelu-fusion (its default): the GPT style's GeLU is
     its fused bias-GeLU (tanh approximation), else torch's exact GeLU. `dtype`: the
@@ -190,6 +190,7 @@ def transformer_config(style: str, shape: dict[str, int], gelu_fusion: bool = Tr
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         sequence_parallel=sequence_parallel,
+        window_size=window_size,  # (left, right); the local softmax builds its mask
         # Allocate parameters on CPU (otherwise torch.cuda.current_device()).
         use_cpu_initialization=True,
         # Every parameter is overwritten by randomize_(); skip megatron's own init.
@@ -248,14 +249,15 @@ def _torch_norms_under_sequence_parallel() -> Iterator[None]:
 
 def build_model(style: str, seed: int = DEFAULT_SEED, gelu_fusion: bool = True,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                **shape: int) -> GPTModel:
+                window_size: tuple[int, int] | None = None, **shape: int) -> GPTModel:
     """This rank's pipeline stage of a tiny ``style`` GPTModel ("gpt" or "llama"), randomized.
 
     The random weights depend only on ``seed`` and the shape, not on tp/pp: every rank holds
     slices of the same global tensors (see :func:`randomize_`), rounded to ``dtype``.
     """
     shape = model_shape(style, **shape)
-    config = transformer_config(style, shape, gelu_fusion, sequence_parallel, dtype)
+    config = transformer_config(style, shape, gelu_fusion, sequence_parallel, dtype,
+                                window_size)
     llama = style == "llama"
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     # setup_embeddings_and_output_layer() does weight.data.cuda() before the tied-embedding
@@ -599,10 +601,11 @@ def _clip_any_device(clip: Any) -> Any:
 
 
 @contextlib.contextmanager
-def optimizer_on_cpu() -> Iterator[None]:
+def cuda_on_cpu() -> Iterator[None]:
     """megatron-core's DDP wrapper and optimizer (FP32Optimizer, its gradient norm and
     clipping) allocate on CUDA: torch.cuda.current_device() and device="cuda" tensors
-    become CPU ones while this is open, and clipping skips its CUDA type check."""
+    become CPU ones while this is open, and clipping skips its CUDA type check. (The
+    local softmax's sliding-window mask, made with device="cuda", too.)"""
     import megatron.core.optimizer.optimizer as optimizer_module
     if torch.cuda.is_available():
         yield
@@ -611,6 +614,7 @@ def optimizer_on_cpu() -> Iterator[None]:
             mock.patch.object(torch, "tensor", _cuda_to_cpu(torch.tensor)), \
             mock.patch.object(torch, "zeros", _cuda_to_cpu(torch.zeros)), \
             mock.patch.object(torch, "empty", _cuda_to_cpu(torch.empty)), \
+            mock.patch.object(torch, "ones", _cuda_to_cpu(torch.ones)), \
             mock.patch.object(optimizer_module, "clip_grad_by_total_norm_fp32", _clip_any_device(
                 optimizer_module.clip_grad_by_total_norm_fp32)):
         yield

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megaulysses.config import CheckpointError, ModelConfig
+from megaulysses.config.schema import megatron_window
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current value: per-group qkv layout
 
@@ -110,9 +111,24 @@ def check_supported(args: Any, where: str) -> None:
     if position_type(args) == "rope" and percent not in (None, 1.0):
         raise CheckpointError(f"{where}: --rotary-percent {percent} (RoPE on part of each "
                               "head) is not built here (only 1.0)")
+    if _get(args, "window_size") is not None and _get(args, "window_attn_skip_freq"):
+        raise CheckpointError(f"{where}: a sliding window on some layers only "
+                              "(--window-attn-skip-freq) is not built here")
+    megatron_window_of(args, where)
     if _get(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         raise CheckpointError(f"{where}: --normalization {args.normalization} is not built "
                               "here (LayerNorm or RMSNorm)")
+
+
+def megatron_window_of(args: Any, where: str) -> Optional[int]:
+    """Our --window-size of Megatron-LM's args.window_size (left, right), or None."""
+    pair = _get(args, "window_size")
+    if pair is None:
+        return None
+    try:
+        return megatron_window(*pair)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: --window-size {pair}: {e}")
 
 
 def position_type(args: Any) -> str:
@@ -183,7 +199,8 @@ def model_config(args: Any, where: str, padded_vocab: int) -> tuple[ModelConfig,
         untie_embeddings_and_output_weights=bool(
             _get(args, "untie_embeddings_and_output_weights", False)),
         vocab_size=int(vocab) if known else padded_vocab,
-        make_vocab_size_divisible_by=divisor, **_rope_fields(args, where))
+        make_vocab_size_divisible_by=divisor, window_size=megatron_window_of(args, where),
+        **_rope_fields(args, where))
     for name in ("hidden_dropout", "attention_dropout", "init_method_std"):
         if _get(args, name) is not None:
             fields[name] = float(_get(args, name))
@@ -240,6 +257,8 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, run: Optional[dict] = None
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, params_dtype=getattr(torch, dtype),
         fp16=dtype == "float16", bf16=dtype == "bfloat16", transformer_impl="local",
+        # Megatron-LM's (left, right): keys W-1 back to 0 ahead
+        window_size=(cfg.window_size - 1, 0) if cfg.window_size else None,
         ckpt_format="torch_dist", use_dist_ckpt=True)
     for key, value in run.items():  # the training run's own settings, where saved
         if not hasattr(ns, key) and isinstance(value, (int, float, str, bool, type(None))):

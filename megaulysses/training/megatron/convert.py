@@ -51,7 +51,9 @@ def origin(ckpt: MegatronCheckpoint) -> dict:
             "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", 1),
             "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", 1),
             # the run's settings --use-checkpoint-args and to-hf carry (no weight's shape)
-            **{k: getattr(ckpt.cfg, k) for k in RUN_SETTINGS}}
+            **{k: getattr(ckpt.cfg, k) for k in RUN_SETTINGS},
+            # its attention mask (load_rules checks a run against it): dense, this window
+            "window_size": ckpt.cfg.window_size}
 
 
 def imported_meta(ckpt: MegatronCheckpoint) -> dict:
@@ -132,6 +134,18 @@ def _run_args(meta: dict) -> dict:
     return flat
 
 
+def _megatron_mask(meta: dict) -> dict:
+    """The checkpoint's window as a ModelConfig field (megatron_args writes Megatron-LM's
+    pair); a block-sparse layout has no Megatron-LM equivalent."""
+    from megaulysses.training.load_rules import saved_mask
+    mask = saved_mask(meta) or {}
+    sparsity = mask.get("attention_sparsity") or "dense"
+    if sparsity != "dense":
+        raise CheckpointError(f"--attention-sparsity {sparsity}: Megatron-LM has no "
+                              "block-sparse attention to export it to")
+    return {"window_size": mask.get("window_size")}
+
+
 def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: str, tp: int,
                     pp: int, common_pt: bool = False, impl: str = "transformer_engine",
                     dtype: str = "float32") -> tuple[str, Any]:
@@ -140,7 +154,8 @@ def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: s
     written."""
     from megaulysses.training.checkpoint import model_config
     run = _run_args(meta) or meta.get("converted_from", {})  # dropout and init, if known
-    cfg = model_config({**meta["model"], **{k: run[k] for k in RUN_SETTINGS if k in run}})
+    cfg = model_config({**meta["model"], **{k: run[k] for k in RUN_SETTINGS if k in run},
+                        **_megatron_mask(meta)})
     write.check_sizes(cfg, tp, pp)
     meg = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in
            to_megatron(cfg, state).items()}
