@@ -363,7 +363,7 @@ def trainer_flags(cfg: ModelConfig, window: Optional[int]) -> list:
     if window is not None:
         flags += ["--window-size", window]
     # Continued pretraining as the open models were trained: without dropout (Megatron-LM's
-    # defaults, which ours are, put 0.1 on both; the ring refuses attention dropout).
+    # defaults, which ours are, put 0.1 on both).
     flags += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     return [str(f) for f in flags]
 
