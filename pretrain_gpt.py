@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     except TrainingError as e:  # every rank stops at the same step, as decided together
         if rank() == 0:
             print(f"error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)  # result validation: Megatron-LM's 16 or 17
     except Exception as e:
         from megaulysses.training.faults import is_distributed_failure
         if is_distributed_failure(e):

@@ -44,8 +44,9 @@ GROUPS: dict[str, tuple[str, str]] = {
                              "here; --log-timers-to-tensorboard shows the slowest rank"),
     "workload inspector": (NO_EFFECT, "Megatron-LM's on-demand profiling server; --profile "
                                       "records a trace here"),
-    "rerun engine": (NO_EFFECT, "Megatron-LM's rerun engine, its result validation and "
-                                "error injection; a non-finite loss skips the step here"),
+    "rerun engine": (REFUSED, "Megatron-LM's error injection into its result validation "
+                              "(result_checks.py validates as --rerun-mode says; inject "
+                              "faults with MEGAULYSSES_FAULT in tests)"),
     "msc": (NO_EFFECT, "Multi-Storage Client is not used here: local files only"),
     "autoresume": (NO_EFFECT, "ADLR's cluster autoresume; --exit-signal-handler saves and "
                               "exits on SIGTERM here"),
@@ -129,7 +130,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--no-clone-scatter-output-in-embedding": (NO_EFFECT, "a memory detail of Megatron-LM's "
                                                           "embedding: same values"),
     "--iterations-to-skip": (REFUSED, "skipping chosen iterations"),
-    "--result-rejected-tracker-filename": (NO_EFFECT, "Megatron-LM's rerun engine's report"),
+    "--result-rejected-tracker-filename": (REFUSED, "Megatron-LM's file of rejected results: "
+                                           "result validation logs them (every rank)"),
     "--disable-gloo-process-groups": (NO_EFFECT, "Megatron-LM's auxiliary gloo groups: none "
                                                  "are made here"),
     "--record-memory-history": (NO_EFFECT, "no CUDA memory history is recorded here; "

@@ -121,6 +121,9 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     require(t.generate >= 0, "--generate", f"must be >= 0, got {t.generate}")
     require(t.max_consecutive_skipped >= 0, "--max-consecutive-skipped",
              f"must be >= 0, got {t.max_consecutive_skipped}")
+    require(t.rerun_mode != "report_stats", "--rerun-mode", "report_stats: Megatron-LM's "
+            "statistics of run-to-run differences (every step run twice) are not provided "
+            "here; validate_results or disabled")
     require(t.generate_temperature > 0, "--generate-temperature",
              f"must be > 0, got {t.generate_temperature}")
     require(t.generate_top_k >= 0, "--generate-top-k",

@@ -378,8 +378,17 @@ class TrainConfig:
         0, "sample this many tokens from the trained model at the end; 0: off (the run without "
         "flags samples 200)", kind="int")
     check_for_nan_in_loss_and_grad: bool = option(
-        True, "a non-finite loss or gradient norm on any rank skips the step on every rank "
-        "(counted as skipped); off: the step is taken anyway", action="optional")
+        True, "a non-finite loss or gradient norm on any rank stops the run (--rerun-mode "
+        "says how; the job's first step is skipped instead: not validated); off, and under "
+        "--fp16 with dynamic loss scaling (an overflow lowers the scale and skips the step): "
+        "not checked, the step is taken", action="optional")
+    rerun_mode: str = option(
+        "validate_results", "validate_results: a step with a non-finite loss or gradient "
+        "norm is run again in place; reproduced, a checkpoint of the last iteration is saved "
+        "and the run exits 16 (resume it elsewhere to tell a faulty device from the model), "
+        "else it exits 17 (a transient fault: resume from the last checkpoint); disabled: "
+        "exit 1 at once, no rerun; report_stats (Megatron-LM's run-to-run difference "
+        "statistics) is not provided", choices=("disabled", "validate_results", "report_stats"))
     check_for_spiky_loss: bool = option(
         False, "a loss 10 times the largest of the first 100 steps (the job's first step not "
         "counted) runs its step again before the optimizer steps, and says whether the rerun "

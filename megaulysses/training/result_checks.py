@@ -1,6 +1,6 @@
-"""--check-for-spiky-loss and --check-for-large-grads: Megatron-LM's result validation in
-its default mode (--rerun-mode validate_results) for these two checks, which do not stop
-a run there (its `fatal=False`).
+"""Megatron-LM's result validation in its default mode (--rerun-mode validate_results):
+--check-for-spiky-loss and --check-for-large-grads, which do not stop a run there (its
+`fatal=False`), and --check-for-nan-in-loss-and-grad, which does (below).
 
 What Megatron-LM does, and so this module: a value is unexpectedly large when it is at
 least 10 times (its SPIKY_LOSS_FACTOR, and the threshold of its large-grads check) the
@@ -15,8 +15,22 @@ of the device. Either way the run goes on with the rerun's gradients, and the li
 which. (Megatron-LM's second opinion, a rerun on another GPU from a checkpoint, is only
 for its fatal checks.)
 
+--check-for-nan-in-loss-and-grad (on by default) is Megatron-LM's fatal check, decided by
+--rerun-mode. validate_results (the default): a step whose loss or gradient norm is NaN or
+Inf is run again in place the same way. Reproduced (not finite again):
+every rank logs it, a checkpoint of the last completed iteration is saved (the optimizer
+has not stepped) and the run exits 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE: Megatron-LM
+resumes it on another GPU for a second opinion). Not reproduced: a transient fault, and
+Megatron-LM still stops: exit 17 (EXIT_CODE_FAILED_ON_RESULT_VALIDATION), nothing saved,
+the job resumes from its last checkpoint. The job's first step is not validated (as
+there: no checkpoint could be taken before an optimizer step); Megatron-LM's optimizer
+would step on the NaN, here that step is skipped. disabled: a non-finite value raises at
+once, no rerun (exit 1). Our checkpoints keep no rerun state (as Megatron-LM's formats
+other than torch_dist): a resume validates the step afresh.
+
 Here the values are the step's global ones, which every rank holds alike (the logged
-loss, the gradient norm that clipping uses), so every rank decides alike with no extra
+loss, the gradient norm that clipping uses; a norm that only one replica saw non-finite
+is reviewed as NaN everywhere: step.py), so every rank decides alike with no extra
 collective; Megatron-LM looks at each rank's micro-batch loss sums and gradient-bucket
 norms before the data-parallel reduction, and reruns when any rank asks.
 """
@@ -32,10 +46,43 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megaulysses.config import TrainingError
+
 log = logging.getLogger(__name__)
 
 FACTOR = 10.0  # Megatron-LM's SPIKY_LOSS_FACTOR, and its large-grads threshold
 SAMPLES = 100  # values that set the maximum a later value is compared with
+RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's exit codes of a fatal validation
+FAILED_ON_RESULT_VALIDATION = 17
+NAN_MODES = ("off", "validate", "raise")  # no check; --rerun-mode validate_results; disabled
+
+
+class ResultRejected(TrainingError):
+    """A non-finite loss or gradient norm stops the run (every rank alike): `exit_code`,
+    and whether a checkpoint of the last completed iteration is saved first."""
+
+    def __init__(self, line: str, exit_code: int, checkpoint: bool):
+        super().__init__(line)
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class NonFinite:
+    """Megatron-LM's fatal NaN / Inf check of one quantity."""
+    name: str
+    message: str
+
+
+def nonfinite_check(values: dict) -> Optional[NonFinite]:
+    """The first non-finite value, loss before gradient norm (Megatron-LM's order: its
+    loss function validates before the gradients are reduced)."""
+    for name, where in (("loss", "forward loss calculation"), ("grad norm", "grad norm")):
+        value = values[name]
+        if not math.isfinite(value):
+            kind = "NaN" if math.isnan(value) else "Inf"
+            return NonFinite(name, f"found {kind} in {where}")
+    return None
 
 
 @dataclass
@@ -80,6 +127,7 @@ class ResultChecks:
     large_grads: bool = False
     rank: int = 0
     samples: int = SAMPLES  # Megatron-LM's; tests take fewer
+    nan: str = "off"  # --check-for-nan-in-loss-and-grad under --rerun-mode: NAN_MODES
     checks: list = field(default_factory=list)
     started: bool = False  # the job's first step is not looked at (Megatron-LM's rule)
     first: Optional[tuple] = None  # (check, the suspicious step's values) while rerunning
@@ -94,7 +142,7 @@ class ResultChecks:
 
     @property
     def active(self) -> bool:
-        return bool(self.checks)
+        return bool(self.checks) or self.nan != "off"
 
     def save_rng(self) -> None:
         """The RNG states a rerun starts from (before the step's first forward)."""
@@ -116,9 +164,21 @@ class ResultChecks:
         if self.first is not None:
             self._diagnose(values, iteration)
             return False
+        bad = nonfinite_check(values) if self.nan != "off" else None
+        if bad is not None and self.nan == "raise":  # even the first step, as Megatron-LM
+            raise ResultRejected(f"iteration {iteration}: unexpected result {bad.name} "
+                                 f"{values[bad.name]} (message='{bad.message}'; --rerun-mode "
+                                 "disabled)", 1, checkpoint=False)
         if not self.started:
             self.started = True
             return False
+        if bad is not None:
+            self.first = (bad, values)
+            log.error("unexpected result %s %s on rank %d at iteration #%d (message='%s')",
+                      bad.name, values[bad.name], self.rank, iteration, bad.message)
+            if self.rank == 0:
+                log.warning("Need to rerun step to check reproducibility of initial result")
+            return True
         for check in self.checks:
             if check.is_large(values[check.name]):
                 self.first = (check, values)
@@ -135,6 +195,8 @@ class ResultChecks:
         check, first = self.first
         self.first = None
         a, b = first[check.name], values[check.name]
+        if isinstance(check, NonFinite):
+            self._fatal(check, a, b, iteration)
         if self.rank != 0:
             return
         if relative_difference(a, b) > check.tolerance:
@@ -146,3 +208,32 @@ class ResultChecks:
         log.warning("iteration %d: rerun: %s %s; continuing normal execution with the "
                     "rerun's gradients (message='%s' is not fatal)", iteration, check.name,
                     verdict, check.message)
+
+    def _fatal(self, check: NonFinite, a: float, b: float, iteration: int) -> None:
+        """The rerun of a non-finite step decides how the run stops (every rank logs its
+        verdict, as Megatron-LM's log_failure; rank 0 says what happens next)."""
+        where = f"rank {self.rank}, iteration #{iteration}"
+        # Reproduced: non-finite again (Megatron-LM's comparison, except that NaN and Inf
+        # match here: a rank may see NaN where a replica saw Inf, and all decide alike).
+        if math.isfinite(b):
+            log.error("%s: First rerun: unexpected result is not reproducible within the "
+                      "tolerance (%s != %s)!", where, b, a)
+            log.error("%s: Possible transient error!", where)
+            if self.rank == 0:
+                log.warning("Exiting now. The job can be resumed from a previous checkpoint")
+            raise ResultRejected(
+                f"iteration {iteration}: {check.name} {a} not reproduced by the rerun ({b}): "
+                f"possible transient error (message='{check.message}'); exit "
+                f"{FAILED_ON_RESULT_VALIDATION}, resume from the last checkpoint",
+                FAILED_ON_RESULT_VALIDATION, checkpoint=False)
+        log.error("%s: First rerun: unexpected result is reproducible within the tolerance "
+                  "(%s = %s). Need to rerun on a different GPU to verify correctness.",
+                  where, b, a)
+        if self.rank == 0:
+            log.warning("Saving a checkpoint and exiting now. Please resume the job from the "
+                        "checkpoint to rerun the last iteration and establish a diagnostic")
+        raise ResultRejected(
+            f"iteration {iteration}: {check.name} {a} reproduced by the rerun "
+            f"(message='{check.message}'); exit {RESUME_TO_DISAMBIGUATE} after saving the "
+            f"last iteration's checkpoint: resume on another device to tell a fault from the "
+            "model", RESUME_TO_DISAMBIGUATE, checkpoint=True)

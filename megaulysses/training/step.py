@@ -85,11 +85,14 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
                log_num_zeros: bool = False, checks: Optional[ResultChecks] = None,
                iteration: int = 0, empty_cache_level: int = 0) -> StepResult:
     """One iteration. `check_nan`: a non-finite loss or gradient norm on any rank skips
-    the step on every rank. `fault`: a test's injection, run on the gradients mid-step.
+    the step on every rank (where `checks` has not stopped the run first: its NaN check
+    lets only the job's first step through). `fault`: a test's injection, run on the
+    gradients mid-step (on a rerun too).
     `per_token_loss`: --calculate-per-token-loss (loss_weights.py). `log_params_norm`,
     `log_num_zeros`: measure them too (the flags of those names). `checks`:
-    --check-for-spiky-loss / --check-for-large-grads, which may run the step `iteration`
-    again before the optimizer steps (result_checks.py). `empty_cache_level`:
+    --check-for-spiky-loss / --check-for-large-grads / --check-for-nan-in-loss-and-grad,
+    which may run the step `iteration` again before the optimizer steps, or stop the run
+    (ResultRejected, raised alike on every rank; result_checks.py). `empty_cache_level`:
     --empty-unused-memory-level. With
     --log-timers-to-tensorboard (`comm.stats.timers` on) its forward, backward and
     optimizer phases are timed (under a pipeline also the schedule's p2p time between)."""
@@ -103,8 +106,12 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
         if checks is not None and checks.active:
             checks.save_rng()  # a rerun draws the same dropout
 
-            def review(local_loss_sum: float, norm: float) -> bool:  # the logged loss
+            def review(local_loss_sum: float, norm: float, nonfinite: bool) -> bool:
                 loss = global_sum(comm, local_loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
+                if nonfinite and math.isfinite(loss) and math.isfinite(norm):
+                    # a norm only another rank saw non-finite (a data-parallel replica's
+                    # fault after the reduction): every rank's review must decide alike
+                    norm = math.nan
                 return checks.review(loss, norm, iteration)
         outcome = None
         while outcome is None:  # once, or twice where `checks` asks for a rerun
@@ -156,12 +163,13 @@ def _forward_backward(model, batches, grad_scales: list[float], device, dtype,
 
 def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_sum: float,
                            check_nan: bool, fault=None, count_zeros: bool = False,
-                           review: Optional[Callable[[float, float], bool]] = None
+                           review: Optional[Callable[[float, float, bool], bool]] = None
                            ) -> Optional[tuple[float, bool, bool, Optional[int]]]:
     """Reduce gradients over dp x sp (and the tied pair), clip by the global norm and
     step, unless a loss or the norm is not finite on any rank: (norm, skipped, non-finite,
     the zero gradient entries when `count_zeros`, else None). None, with the gradients
-    cleared and nothing stepped, where `review(this rank's loss sum, norm)` asks for the
+    cleared and nothing stepped, where `review(this rank's loss sum, norm, non-finite on
+    any rank)` asks for the
     step to be run again.
     Every rank decides alike (one tiny all-reduce): a NaN that only one rank sees must not
     step the others alone."""
@@ -174,9 +182,9 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_s
     norm = unscale_and_clip(zero.grad_parts(excluded), 1.0 / scaler.scale, clip_grad, comm)
     zeros = num_zeros(zero.grad_parts(excluded), comm) if count_zeros else None
     nonfinite = comm.any_rank(not (math.isfinite(loss_sum) and math.isfinite(norm)))
-    # reviewed even when not finite: a rerun's review reports what it found (a first
-    # run's non-finite values are never "large": --check-for-nan-in-loss-and-grad's)
-    if review is not None and review(loss_sum, norm):
+    # reviewed even when not finite: --check-for-nan-in-loss-and-grad's rerun, or its stop
+    # (a non-finite value is never "large")
+    if review is not None and review(loss_sum, norm, nonfinite):
         zero.zero_grad()
         return None
     # fp16 skips an overflow whatever --check-for-nan-in-loss-and-grad says: its loss

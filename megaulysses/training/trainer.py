@@ -19,7 +19,7 @@ from megaulysses.training.metrics import MetricsWriter, flops_per_iteration, pea
 from megaulysses.training.optim import LossScaler, LRSchedule, lr_bounds, set_lr
 from megaulysses.training.profiling import StepProfiler
 from megaulysses.training.report import IterationScalars, Window, iteration_record, log_startup
-from megaulysses.training.result_checks import ResultChecks
+from megaulysses.training.result_checks import ResultChecks, ResultRejected
 from megaulysses.training.run import build_run
 from megaulysses.training.sampling import generate_text
 from megaulysses.training.saver import Saver
@@ -43,8 +43,10 @@ class Trainer:
         self.scaler = LossScaler(t) if t.fp16 else NoScaler()
         self.state = ckpt.TrainState()
         self.consecutive_skipped = 0
-        # --check-for-spiky-loss, --check-for-large-grads: a suspicious step runs again
-        self.checks = ResultChecks(t.check_for_spiky_loss, t.check_for_large_grads, self.rank)
+        # --check-for-spiky-loss, --check-for-large-grads, --check-for-nan-in-loss-and-grad
+        # (--rerun-mode): a suspicious step runs again
+        self.checks = ResultChecks(t.check_for_spiky_loss, t.check_for_large_grads, self.rank,
+                                   nan=nan_mode(t, self.scaler))
         self.converted_from: Optional[dict] = None  # set by _load from an imported model
         self.saver = self._build_saver() if t.save else None
         log_startup(self.run)
@@ -137,7 +139,9 @@ class Trainer:
             last_eval, stopped = self._loop(writer, stop)
             self.run.parts.zero.settle()  # an overlapped gather still in flight
             self._save_at_end(resumed, stopped)
-        except TrainingError:
+        except TrainingError as e:
+            if isinstance(e, ResultRejected) and e.checkpoint:
+                self._save_for_rerun()
             if t.save:  # every rank stops at the same step: a save in flight completes
                 self.saver.wait()
             writer.close()
@@ -151,6 +155,20 @@ class Trainer:
             self._eval(writer, "test", self.test_data, 0)
         writer.close()
         return {"iteration": self.state.iteration, "eval_loss": last_eval, "stopped": stopped}
+
+    def _save_for_rerun(self) -> None:
+        """A non-finite result the rerun reproduced: the last completed iteration is saved
+        (the step was not taken; RNG states as before it) so that the job can resume and
+        run the step again elsewhere, as Megatron-LM does before its exit 16."""
+        t = self.cfg.train
+        self.checks.restore_rng()
+        self.zero.zero_grad()
+        self.run.parts.zero.settle()
+        if not t.save:
+            log.warning("no --save: no checkpoint of iteration %d to resume from",
+                        self.state.iteration)
+        elif self.saver.last_saved != self.state.iteration:
+            self.save()
 
     def _save_at_end(self, resumed: int, stopped: Optional[str]) -> None:
         t, it = self.cfg.train, self.state.iteration
@@ -211,6 +229,8 @@ class Trainer:
         t0 = time.perf_counter()
         batches = self.train_data.micro_batches(consumed, batch)
         fault = self.fault and self.fault.hook(self.rank, self.state.iteration + 1)
+        if fault and not self.fault.onwards:  # a transient fault: not met again by a rerun
+            fault = first_call_only(fault)
         with self.profiler.step(self.state.iteration):
             r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad,
                            self.device, self.dtype, self.comm, self.pipeline,
@@ -246,8 +266,9 @@ class Trainer:
         if r.nonfinite and self.rank == 0 and not (r.skipped and
                                                    isinstance(self.scaler, LossScaler)):
             log.warning("iteration %d: a non-finite loss or gradient norm on some rank: %s",
-                        it, "step skipped on every rank" if r.skipped else
-                        "step taken (--no-check-for-nan-in-loss-and-grad)")
+                        it, "step skipped on every rank (the job's first step is not "
+                        "validated)" if r.skipped else "step taken (not checked: "
+                        "--no-check-for-nan-in-loss-and-grad)")
         counts = r.skipped and not (isinstance(self.scaler, LossScaler) and self.scaler.dynamic
                                     and self.scaler.scale > self.scaler.min_scale)
         self.consecutive_skipped = self.consecutive_skipped + 1 if counts else 0
@@ -272,3 +293,24 @@ class Trainer:
     def generate(self) -> Optional[str]:
         """--generate tokens sampled from the trained model (rank 0; None elsewhere)."""
         return generate_text(self.run)
+
+
+def nan_mode(t, scaler) -> str:
+    """--check-for-nan-in-loss-and-grad under --rerun-mode (result_checks.NAN_MODES). Off
+    under --fp16 with dynamic loss scaling, as Megatron-LM turns it off there: an overflow
+    is the loss scaler's (the step skipped, the scale lowered)."""
+    if not t.check_for_nan_in_loss_and_grad or (isinstance(scaler, LossScaler)
+                                                and scaler.dynamic):
+        return "off"
+    return "raise" if t.rerun_mode == "disabled" else "validate"
+
+
+def first_call_only(hook):
+    """A test's fault hook that fires on the step's first pass only."""
+    calls = []
+
+    def once(grads):
+        calls.append(1)
+        if len(calls) == 1:
+            hook(grads)
+    return once

@@ -8,15 +8,16 @@ Promises checked, with --distributed-timeout-minutes 0.1 (T = 6 s):
   plus a 15 s margin for a loaded 2-core machine, measured from the fault;
 - each prints one `error:` line naming the lost rank, and no traceback;
 - the last committed checkpoint is intact and the same command resumes from it;
-- a NaN that only one rank sees skips the step on every rank: the run's losses equal a
-  single process's with the same step skipped.
+- a NaN that only one rank sees stops every rank alike (Megatron-LM's result validation:
+  a transient one, not met again by the step's rerun, exits 17 with nothing saved;
+  tests/training/test_nonfinite_steps.py has the rest).
 """
 
 import os
 import time
 
 import pytest
-from helpers import TINY, launch, read_jsonl, run_inprocess, train_losses, wait_all
+from helpers import TINY, launch, read_jsonl, train_losses, wait_all
 
 T_MIN = 0.1
 MARGIN_S = 60 * T_MIN + 7 + 15
@@ -96,23 +97,21 @@ def test_a_frozen_rank_stops_every_other_rank_within_the_timeout(tmp_path):
     assert committed(tmp_path) == 2
 
 
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, monkeypatch):
-    """The NaN goes into rank 1's gradient after the reduction: only rank 1 sees it, and
-    rank 0 (the other data-parallel replica) must skip the step too, or the replicas part."""
+def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
+    """The NaN goes into rank 1's gradient after the reduction, in step 3's first pass
+    only: only rank 1 sees it, and every rank (rank 0 is the other data-parallel replica)
+    must rerun the step and stop alike, or the replicas part or hang: exit 17 on every
+    rank, no traceback, the checkpoint of iteration 2 the last."""
     args = args_for(tmp_path)
     procs = launch(args, WORLD, str(tmp_path / "run"), {"MEGAULYSSES_FAULT": "nan:1:3"})
-    assert wait_all(procs) == [0] * WORLD
+    assert wait_all(procs) == [17] * WORLD
+    for rank in range(WORLD):
+        log = (tmp_path / f"run.rank{rank}.log").read_text()
+        assert "Traceback" not in log, log[-2000:]
+        assert f"rank {rank}, iteration #3: Possible transient error!" in log
     grid = read_jsonl(tmp_path / "m.jsonl")
-    assert [r["skipped_iterations"] for r in grid if "loss" in r] == [0, 0] + [1] * 6
-    assert "iteration 3: a non-finite loss or gradient norm on some rank: step skipped on " \
-           "every rank" in (tmp_path / "run.rank0.log").read_text()
-    # One process, the same step skipped: the same losses (grids match it to fp32 rounding).
-    monkeypatch.setenv("MEGAULYSSES_FAULT", "nan:0:3")
-    one = run_inprocess(["--train-iters", "8", "--eval-iters", "0"], tmp_path, "one")
-    want, got = train_losses(one), train_losses(grid)
-    assert got.keys() == want.keys()
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    assert [r["iteration"] for r in grid if "loss" in r] == [1, 2]
+    assert committed(tmp_path) == 2
 
 
 def run_main(args, tmp_path, capfd) -> tuple[int, list[str]]:
@@ -126,9 +125,12 @@ def run_main(args, tmp_path, capfd) -> tuple[int, list[str]]:
 
 def test_consecutive_nan_steps_stop_the_run_and_save_nothing_more(tmp_path, monkeypatch,
                                                                   capfd):
+    """fp16 with dynamic loss scaling (the loss scaler's overflows, no result validation,
+    as Megatron-LM) at its minimum scale: each overflow skips a step and counts."""
     monkeypatch.setenv("MEGAULYSSES_FAULT", "nan:0:3+")  # every step from 3 on
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    rc, err = run_main(["--train-iters", "10", "--save", str(ck), "--save-interval", "2",
+    rc, err = run_main(["--fp16", "--initial-loss-scale", "1", "--min-loss-scale", "1",
+                        "--train-iters", "10", "--save", str(ck), "--save-interval", "2",
                         "--max-consecutive-skipped", "3", "--metrics-jsonl", str(metrics)],
                        tmp_path, capfd)
     assert rc == 1 and len(err) == 1, err
