@@ -31,6 +31,7 @@ megatron-core's 4.7e-2 / 1.0e-2.
 """
 
 import os
+import pathlib
 import sys
 
 import numpy as np
@@ -155,6 +156,10 @@ def compare(rank, world, tmp):
                 out[case][f"{side}_loss_noise"] = float((loss - exact).abs().max())
                 out[case][f"{side}_grad_noise"] = max(
                     float((g.float() - exact_grads[n]).abs().max()) for n, g in gs.items())
+    if world == 1:  # the optimizer steps too, in this spawn (one process start fewer)
+        for style in ("gpt", "llama"):
+            out[f"optimizer {style}"] = megatron_steps(os.path.join(tmp, f"steps_{style}"),
+                                                       style)
     mo.destroy_megatron()
     return out
 
@@ -165,6 +170,7 @@ def results(tmp_path_factory):
     out = {}
     for world in (1, 2):
         out.update(run_ranks(compare, world, tmp, daemon=False)[0])
+    out["tmp"] = tmp
     return out
 
 
@@ -218,14 +224,14 @@ STEP_LOSS_ATOL, UPDATE_RTOL = 1e-5, 1e-3
 ZERO_GRADIENT = ("attn.k.bias",)
 
 
-def megatron_steps(rank, world, out_dir, style):
+def megatron_steps(out_dir, style):
     """megatron-core's DDP + get_megatron_optimizer + OptimizerParamScheduler, stepped as
-    Megatron-LM's train_step does; weights written before and after, losses per step."""
+    Megatron-LM's train_step does (one process, tp 1); weights written before and after,
+    losses per step."""
     import megatron_oracle as mo
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    mo.init_megatron(rank, world, 1, 1)
     args = mo.megatron_args(style)
     losses = []
     with mo.cuda_on_cpu():
@@ -253,12 +259,11 @@ def megatron_steps(rank, world, out_dir, style):
             sched.step(increment=1)
             losses.append(float(loss))
         mo.save_legacy_torch(model, os.path.join(out_dir, "after"), 1, args)
-    mo.destroy_megatron()
     return losses
 
 
 @pytest.mark.parametrize("style", ("gpt", "llama"))
-def test_optimizer_steps_equal_megatron_cores(tmp_path, style):
+def test_optimizer_steps_equal_megatron_cores(results, style):
     """Our AdamW groups, clipping and schedule (the trainer's own pieces) take the same
     steps from the same weights: every step's loss and the weights after them equal."""
     from megaulysses.config import TrainConfig
@@ -266,7 +271,8 @@ def test_optimizer_steps_equal_megatron_cores(tmp_path, style):
     from megaulysses.parallel.grad_norm import GradPart, unscale_and_clip
     from megaulysses.training.megatron import read_megatron
     from megaulysses.training.optim import LRSchedule, adamw, lr_bounds, param_groups, set_lr
-    theirs = run_ranks(megatron_steps, 1, str(tmp_path), style, daemon=False)[0]
+    theirs = results[f"optimizer {style}"]
+    tmp_path = pathlib.Path(results["tmp"]) / f"steps_{style}"
     before = read_megatron(str(tmp_path / "before"))
     model = GPT(before.cfg)
     model.load_state_dict(before.state, strict=True)
