@@ -144,6 +144,15 @@ class ResultChecks:
     def active(self) -> bool:
         return bool(self.checks) or self.nan != "off"
 
+    def wants_values(self, nonfinite: bool) -> bool:
+        """Whether review needs the step's values (the global loss costs a collective): a
+        finite step under the NaN check alone has nothing to look at (it still counts as
+        the job's first step, seen)."""
+        if nonfinite or self.checks or self.first is not None:
+            return True
+        self.started = True
+        return False
+
     def save_rng(self) -> None:
         """The RNG states a rerun starts from (before the step's first forward)."""
         self.rng = {"python": random.getstate(), "numpy": np.random.get_state(),

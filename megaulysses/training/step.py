@@ -107,6 +107,8 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
             checks.save_rng()  # a rerun draws the same dropout
 
             def review(local_loss_sum: float, norm: float, nonfinite: bool) -> bool:
+                if not checks.wants_values(nonfinite):  # alike on every rank
+                    return False  # a finite step, nothing to look at: no extra collective
                 loss = global_sum(comm, local_loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
                 if nonfinite and math.isfinite(loss) and math.isfinite(norm):
                     # a norm only another rank saw non-finite (a data-parallel replica's

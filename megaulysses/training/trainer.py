@@ -47,6 +47,10 @@ class Trainer:
         # (--rerun-mode): a suspicious step runs again
         self.checks = ResultChecks(t.check_for_spiky_loss, t.check_for_large_grads, self.rank,
                                    nan=nan_mode(t, self.scaler))
+        if t.check_for_nan_in_loss_and_grad and self.checks.nan == "off" and self.rank == 0:
+            log.info("--check-for-nan-in-loss-and-grad off under --fp16 with dynamic loss "
+                     "scaling, as in Megatron-LM: an overflow lowers the scale and skips the "
+                     "step")
         self.converted_from: Optional[dict] = None  # set by _load from an imported model
         self.saver = self._build_saver() if t.save else None
         log_startup(self.run)
