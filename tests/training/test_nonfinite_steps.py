@@ -158,3 +158,17 @@ def test_the_review_of_a_non_finite_step(bad, message, rerun, code):
     assert f"(message='{message}')" in str(e.value)
     # off: nothing looked at
     assert not ResultChecks(False, False, 0).active
+
+
+@pytest.mark.parametrize("flags, mode", [
+    ([], "validate"), (["--bf16"], "validate"), (["--rerun-mode", "disabled"], "raise"),
+    (["--no-check-for-nan-in-loss-and-grad"], "off"),
+    (["--fp16"], "off"),  # dynamic loss scaling: the scaler's overflows (Megatron-LM's rule)
+    (["--fp16", "--loss-scale", "64"], "validate")])  # a static scale is validated there too
+def test_which_runs_validate(flags, mode):
+    from megaulysses.config import parse_args
+    from megaulysses.training.optim import LossScaler
+    from megaulysses.training.step import NoScaler
+    from megaulysses.training.trainer import nan_mode
+    t = parse_args(TINY + ["--mock-data"] + flags).train
+    assert nan_mode(t, LossScaler(t) if t.fp16 else NoScaler()) == mode
