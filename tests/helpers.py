@@ -29,6 +29,9 @@ TINY = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
+        # Megatron-LM's warmup runs its first step at --lr-warmup-init: half the peak, so
+        # that step updates the weights (at 0 a 2-step comparison would test one update)
+        "--lr-warmup-init", "1.5e-3",
         "--eval-interval", "3", "--eval-iters", "1", "--generate", "0", "--seed", "11",
         "--peak-tflops", "1"]  # MFU against a given peak: no matmul timing at start-up
 

@@ -22,6 +22,8 @@ def dumped(cfg) -> dict:
 def test_every_flag_is_printed_resolved_under_its_megatron_name():
     i = TINY.index("--lr-warmup-iters")
     no_warmup = TINY[:i] + TINY[i + 2:]
+    i = no_warmup.index("--lr-warmup-init")
+    no_warmup = no_warmup[:i] + no_warmup[i + 2:]
     flags = no_warmup + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                          "--lr-warmup-fraction", "0.5", "--train-iters", "8",
                          "--global-batch-size", "8"]

@@ -50,6 +50,9 @@ from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
 from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets, _storage_bytes
 from megaulysses.parallel.offload import HostState
+from megaulysses.parallel.dist_opt_plan import (describe, fuses_weight_gradients,  # noqa: F401
+                                                grad_buffer_dtype)
+from megaulysses.parallel.wgrad import accumulate_wgrad, wgrad_backend  # noqa: F401
 from megaulysses.parallel.zero import ShardedAdamW
 
 DIM = DP_SP
@@ -132,43 +135,6 @@ def _waiting_class(cls: type) -> type:
                                                     "__qualname__": cls.__qualname__,
                                                     "__module__": cls.__module__})
     return _WAITING[cls]
-
-
-def _apex_wgrad():
-    """apex's fused_weight_gradient_mlp_cuda (Megatron-LM's kernel), None where absent."""
-    try:
-        import fused_weight_gradient_mlp_cuda
-        return fused_weight_gradient_mlp_cuda
-    except ImportError:
-        return None
-
-
-_APEX = _apex_wgrad()
-TOKENS_PER_PIECE = 1024  # torch's fp32 path converts this many tokens at a time
-
-
-def wgrad_backend(device: torch.device) -> str:
-    """What adds the fused weight gradients on `device`, for the log."""
-    if _APEX is not None and device.type == "cuda":
-        return "apex fused_weight_gradient_mlp_cuda"
-    # fp32 GEMMs: exact sums of the 16-bit products, but slower than 16-bit ones (on CPU
-    # measured up to 2x a bf16 weight-gradient GEMM; on CUDA without apex far more)
-    return "torch addmm (16-bit operands made fp32 for an fp32 buffer: fp32 GEMMs)"
-
-
-def _accumulate_wgrad(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
-    """out [rows, in] += g^T x (g [T, rows], x [T, in]), summed in out's dtype: for an fp32
-    `out`, the 16-bit products are summed in fp32 and added without a 16-bit rounding
-    (apex's kernel, or fp32 copies of the operands, a piece of the tokens at a time so
-    they stay small); a 16-bit `out` (a 16-bit buffer) gets a 16-bit product, as there."""
-    if out.dtype != torch.float32:
-        out.addmm_(g.t(), x)
-    elif _APEX is not None and out.is_cuda and x.dtype != torch.float32:
-        _APEX.wgrad_gemm_accum_fp32(x.contiguous(), g.contiguous(), out)
-    else:
-        for t in range(0, x.shape[0], TOKENS_PER_PIECE):
-            piece = slice(t, t + TOKENS_PER_PIECE)
-            out.addmm_(g[piece].t().float(), x[piece].float())
 
 
 class DistributedOptimizer(ShardedAdamW):
@@ -257,7 +223,7 @@ class DistributedOptimizer(ShardedAdamW):
     def wgrad(self, p, x: torch.Tensor, g: torch.Tensor) -> None:
         """One use's weight gradient of `p` [out, in] = g^T x (x [T, in], g [T, out]),
         added into `p`'s slots of the buffer: each rank's rows of it into that rank's slot
-        (`RowShard`), by `_accumulate_wgrad`; `p` is ready when its last use is in."""
+        (`RowShard`), by `wgrad.accumulate_wgrad`; `p` is ready when its last use is in."""
         if self.pending:  # as `_accumulate`
             self.wait_all()
         shard, slots = self.shards[p], self.bucket_of[p].by_rank(p, self.shards[p])
@@ -265,7 +231,7 @@ class DistributedOptimizer(ShardedAdamW):
         for r in range(self.ranks):
             lo, hi = min(r * shard.chunk, rows), min((r + 1) * shard.chunk, rows)
             if hi > lo:
-                _accumulate_wgrad(slots[r, :(hi - lo) * cols].view(hi - lo, cols),
+                accumulate_wgrad(slots[r, :(hi - lo) * cols].view(hi - lo, cols),
                                   g[:, lo:hi], x)  # [rows of rank r, in]
         self.uses[p] -= 1
         if self.uses[p] == 0:
@@ -427,63 +393,3 @@ class DistributedOptimizer(ShardedAdamW):
         optim += sum(_storage_bytes(v, seen) for state in self.inner.state.values()
                      for v in state.values() if isinstance(v, torch.Tensor))
         return {"grads": grads, "optim": optim, **({"host": host} if self.host.params else {})}
-
-
-def grad_buffer_dtype(cfg) -> torch.dtype:
-    """The distributed optimizer's gradient buffer, Megatron-LM's: bf16 with
-    --grad-reduce-in-bf16; under --fp16 the weights' fp16 unless
-    --accumulate-allreduce-grads-in-fp32; else fp32 (Megatron-LM sets that flag itself
-    under --bf16)."""
-    par = cfg.parallel
-    if par.grad_reduce_dtype == "bf16":
-        return torch.bfloat16
-    if cfg.train.fp16 and not par.accumulate_allreduce_grads_in_fp32:
-        return torch.float16
-    return torch.float32
-
-
-def fuses_weight_gradients(cfg: RunConfig) -> bool:
-    """Megatron-LM's gradient-accumulation fusion (its default) in this distributed-
-    optimizer run: off by --no-gradient-accumulation-fusion, under zero-bubble (its weight
-    pass needs autograd's weight gradients) and under tensor parallelism (DTensor weights:
-    not done here)."""
-    par = cfg.parallel
-    return not (par.no_gradient_accumulation_fusion or par.pipeline_schedule == "zero-bubble"
-                or par.tensor_model_parallel_size > 1)
-
-
-def describe(cfg: RunConfig) -> str:
-    """What --use-distributed-optimizer is in this run, for the start-up log."""
-    par, t = cfg.parallel, cfg.train
-    n = cfg.dims.dp * cfg.dims.seq_degree
-    if par.zero_stage >= 2:
-        return f"--zero-stage {par.zero_stage} stays (FSDP2: it shards more)"
-    if not (t.bf16 or t.fp16):
-        return (f"ZeRO-1 under fp32 (weights and gradients fp32 on every rank, Adam moments "
-                f"sharded over dp x sp = {n}): Megatron-LM's 8 + 8/{n} bytes per parameter"
-                + ("; its all-gather after the step is not overlapped (--overlap-param-gather "
-                   "overlaps the 16-bit one of --bf16/--fp16)" if par.overlap_param_gather
-                   else ""))
-    half = "bf16" if t.bf16 else "fp16"
-    buffer = grad_buffer_dtype(cfg)
-    grad = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[buffer]
-    e = 6 + 12 / n if buffer == torch.float32 else 4 + 16 / n
-    host = (f"; --optimizer-cpu-offload: main weights and moments of "
-            f"{par.optimizer_offload_fraction:g} of the parameters on the host"
-            if par.optimizer_cpu_offload else "")
-    gather = ("overlaps the next step's forward (--overlap-param-gather)"
-              if par.overlap_param_gather else "runs after the step")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    off = ("--no-gradient-accumulation-fusion" if par.no_gradient_accumulation_fusion
-           else "no gradient-accumulation fusion under "
-           + ("--pipeline-schedule zero-bubble" if par.pipeline_schedule == "zero-bubble"
-              else "tensor parallelism here"))
-    fusion = (f"linear layers' weight gradients added into the buffer directly, in its "
-              f"dtype, no per-micro-batch gradient (gradient-accumulation fusion: "
-              f"{wgrad_backend(device)})"
-              if fuses_weight_gradients(cfg) else
-              f"each weight gradient made in 16 bits, then added into the buffer ({off})")
-    return (f"Megatron-LM's distributed optimizer: {half} weights, {grad} gradient buffer, "
-            f"fp32 main weights and Adam moments sharded over dp x sp = {n}: {e:.2f} bytes "
-            f"per parameter{host}; {fusion}. Overlapping compute: the gradients' "
-            f"reduce-scatter (the last backward); the 16-bit weights' all-gather {gather}")

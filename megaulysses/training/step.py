@@ -102,19 +102,7 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
         # final factor, so the summed gradients are exactly those of the iteration's loss.
         weights, tokens = micro_batch_weights(batches, comm, device, per_token_loss)
         grad_scales = [scaler.scale * w for w in weights]
-        review = None
-        if checks is not None and checks.active:
-            checks.save_rng()  # a rerun draws the same dropout
-
-            def review(local_loss_sum: float, norm: float, nonfinite: bool) -> bool:
-                if not checks.wants_values(nonfinite):  # alike on every rank
-                    return False  # a finite step, nothing to look at: no extra collective
-                loss = global_sum(comm, local_loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
-                if nonfinite and math.isfinite(loss) and math.isfinite(norm):
-                    # a norm only another rank saw non-finite (a data-parallel replica's
-                    # fault after the reduction): every rank's review must decide alike
-                    norm = math.nan
-                return checks.review(loss, norm, iteration)
+        review = _reviewer(checks, comm, device, tokens, iteration)
         outcome = None
         while outcome is None:  # once, or twice where `checks` asks for a rerun
             if pipeline is None:
@@ -138,6 +126,26 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
     pnorm = params_norm(zero.param_parts(_norm_excluded(pipeline)), comm) \
         if log_params_norm else None
     return StepResult(loss, norm, skipped, int(tokens), nonfinite, pnorm, zeros)
+
+
+def _reviewer(checks: Optional[ResultChecks], comm: Comm, device: torch.device,
+              tokens: float, iteration: int) -> Optional[Callable]:
+    """`checks`' review of a step's (local loss sum, gradient norm, non-finite anywhere):
+    True asks for a rerun. None where no check is on."""
+    if checks is None or not checks.active:
+        return None
+    checks.save_rng()  # a rerun draws the same dropout
+
+    def review(local_loss_sum: float, norm: float, nonfinite: bool) -> bool:
+        if not checks.wants_values(nonfinite):  # alike on every rank
+            return False  # a finite step, nothing to look at: no extra collective
+        loss = global_sum(comm, local_loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
+        if nonfinite and math.isfinite(loss) and math.isfinite(norm):
+            # a norm only another rank saw non-finite (a data-parallel replica's fault
+            # after the reduction): every rank's review must decide alike
+            norm = math.nan
+        return checks.review(loss, norm, iteration)
+    return review
 
 
 def _norm_excluded(pipeline: Optional[Pipeline]) -> list:

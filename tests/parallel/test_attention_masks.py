@@ -20,7 +20,7 @@ VOCAB = 250  # NullTokenizer: eod = 250
 MODEL = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "2", "--seq-length", "128",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
-         "--lr", "3e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
+         "--lr", "3e-3", "--lr-warmup-iters", "0", "--log-interval", "1",
          "--eval-interval", "1000", "--generate", "0", "--seed", "5", "--peak-tflops", "1",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--split", "100,0,0"]
 MASKS = {

@@ -47,9 +47,9 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     assert [r["iteration"] for r in evals] == [3, 6]
     assert train[-1]["consumed_samples"] == 6 * 4
     assert all(math.isfinite(r["loss"]) and r["tokens_per_sec"] > 0 for r in train)
-    # Warmup over 2 iterations, Megatron-LM's: iterations 1, 2, 3 at lr*0/2, lr*1/2, lr*2/2
-    # (each at the schedule's value where it starts); then cosine decay to min-lr.
-    assert [r["lr"] for r in train[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])
+    # Warmup over 2 iterations from --lr-warmup-init 1.5e-3, Megatron-LM's: iterations 1,
+    # 2, 3 at the schedule's value where each starts (init, halfway, the peak); then decay.
+    assert [r["lr"] for r in train[:3]] == pytest.approx([1.5e-3, 2.25e-3, 3e-3])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb))
     acc.Reload()

@@ -48,7 +48,7 @@ import torch
 
 from megaulysses.config import Config, pipeline_layout
 from megaulysses.parallel.dims import ParallelDims
-from megaulysses.parallel.dist_opt import fuses_weight_gradients, grad_buffer_dtype
+from megaulysses.parallel.dist_opt_plan import fuses_weight_gradients, grad_buffer_dtype
 from megaulysses.parallel.grad_reduce import bucket_bytes
 from megaulysses.parallel.tensor import BLOCK_LINEARS, VOCAB_PARALLEL
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
@@ -160,24 +160,29 @@ class _States:
         # gradient buffer in the reduce dtype, fp32 main weights and moments of the rows
         self.dist_opt = half and stage <= 1 and cfg.parallel.use_distributed_optimizer
         if self.dist_opt:
-            rows = self.local if n == 1 else everything.rows
-            self.optimizer = 3 * rows + F32 * len(params)
-            self.held_params, self.cast_copies = self.local // 2, 0
-            # fp16 under --fp16 (Megatron-LM's); reduce-scattered in that dtype too
-            self.reduce_e = buffer_e = grad_buffer_dtype(cfg).itemsize
-            self.buffer = self.local * buffer_e // F32
-            # the main gradients: the buffer's own rows, or their fp32 copy
-            self.main_grads = rows if buffer_e != F32 else 0
-            self.gather_e = 2  # the updated weights are gathered in 16 bits
-            self._offload(cfg.parallel, rows, len(params))
-            # Unfused (--no-gradient-accumulation-fusion, tensor parallelism, zero-bubble),
-            # autograd makes each block linear's weight gradient in 16 bits before it is
-            # added into the buffer: the largest lives during its layer's backward. Fused,
-            # the linears add theirs into the buffer directly (model/fused_linear.py).
-            fused = fuses_weight_gradients(cfg)
-            linears = [math.prod(sh) for name, sh in block if len(sh) == 2
-                       and name.split(".", 2)[2].rsplit(".", 1)[0] in BLOCK_LINEARS]
-            self.wgrad16 = 0 if fused else 2 * max(linears, default=0)
+            self._distributed_optimizer(cfg, self.local if n == 1 else everything.rows,
+                                        block, len(params))
+
+    def _distributed_optimizer(self, cfg: Config, rows: int, block: list,
+                               tensors: int) -> None:
+        """Megatron-LM's distributed optimizer's states, `rows`: this rank's bytes of the
+        fp32 rows it steps."""
+        self.optimizer = 3 * rows + F32 * tensors
+        self.held_params, self.cast_copies = self.local // 2, 0
+        # fp16 under --fp16 (Megatron-LM's); reduce-scattered in that dtype too
+        self.reduce_e = buffer_e = grad_buffer_dtype(cfg).itemsize
+        self.buffer = self.local * buffer_e // F32
+        # the main gradients: the buffer's own rows, or their fp32 copy
+        self.main_grads = rows if buffer_e != F32 else 0
+        self.gather_e = 2  # the updated weights are gathered in 16 bits
+        self._offload(cfg.parallel, rows, tensors)
+        # Unfused (--no-gradient-accumulation-fusion, tensor parallelism, zero-bubble),
+        # autograd makes each block linear's weight gradient in 16 bits before it is added
+        # into the buffer: the largest lives during its layer's backward. Fused, the
+        # linears add theirs into the buffer directly (model/fused_linear.py).
+        linears = [math.prod(sh) for name, sh in block if len(sh) == 2
+                   and name.split(".", 2)[2].rsplit(".", 1)[0] in BLOCK_LINEARS]
+        self.wgrad16 = 0 if fuses_weight_gradients(cfg) else 2 * max(linears, default=0)
 
     def _offload(self, par, rows: int, tensors: int) -> None:
         """--optimizer-cpu-offload (parallel/offload.py): that fraction of the main rows,
