@@ -183,7 +183,8 @@ def test_bad_sample_schedule(args, flag, words, world, tmp_path, capfd):
 
 # ---- real runs: 38 samples, the batch 4, 4, 6, then 8 (ramp 4 -> 8 by 2 over 12 samples)
 
-RUN = without(TINY, "--train-iters", "--lr-warmup-iters", "--global-batch-size") + [
+RUN = without(TINY, "--train-iters", "--lr-warmup-iters", "--lr-warmup-init",
+              "--global-batch-size") + [
     "--train-samples", "38", "--lr-warmup-samples", "10", "--lr-decay-style", "linear",
     # the embedding (and its tied output layer) frozen: a wrong group would move it
     "--decoupled-lr", "0", "--decoupled-min-lr", "0"]
