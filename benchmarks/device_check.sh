@@ -6,10 +6,13 @@
 #   bash benchmarks/device_check.sh --print-snippet ring|flex|flash   # one kernel check's code
 #
 #   needs       torch, pytest, numpy (missing: exit 2); optional, reported: flash_attn (the
-#               flash backend and its varlen check), triton (flex on CUDA), transformers (d)
+#               flash backend and its varlen check), triton (flex on CUDA), transformers (d),
+#               apex (its fused RMSNorm; model/ops/kernels.py)
 #   device      nvidia-smi lists a GPU but torch sees no CUDA: exit 3 (a CPU build of torch
 #               or a driver mismatch), nothing else runs
-#   (a) pytest      python -m pytest -q -m cuda -k "not flex": the CUDA tests (flex: (e))
+#   (a) pytest      python -m pytest -q -m cuda -k "not flex": the CUDA tests (flex: (e)):
+#                   attention kernels, and the fused kernels of a step (AdamW, grad norm,
+#                   clipping, RMSNorm) against unfused ones (tests/training/test_fused_kernels.py)
 #   (e) kernels     one snippet per piece, each forward + backward on the GPU against
 #                   math_attention in fp32: ring (RingAttention on one rank: the fused ring
 #                   step), flex (window, packed documents), flash (varlen packed documents,
@@ -188,7 +191,8 @@ import sys
 
 OPTIONAL = {"flash_attn": "the flash backend and the flash varlen check are skipped",
             "triton": "flex_attention cannot compile on CUDA",
-            "transformers": "part (d) is skipped"}
+            "transformers": "part (d) is skipped",
+            "apex": "RMSNorm runs ours (model/ops/kernels.py)"}
 
 
 def import_error(name):

@@ -2,7 +2,10 @@
 clipping by it. Squares are summed per kind of piece, then over the mesh dims whose ranks
 hold the other pieces (tensor-parallel shards, ZeRO rows), then over pipeline stages.
 The same sum gives the logged parameter norm and count of zero gradient entries
-(--log-params-norm, --log-num-zeros-in-grad)."""
+(--log-params-norm, --log-num-zeros-in-grad).
+
+Kernels (model/ops/kernels.py): torch's foreach ops, one call per (device, dtype) group of
+tensors (one multi-tensor kernel each on CUDA), never a kernel per tensor from Python."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from megaulysses.parallel.dims import DP_SP, PP, TP
 
@@ -47,11 +51,18 @@ def unscale_and_clip(parts: list[GradPart], inv_scale: float, max_norm: float,
     """
     tensors = [p.tensor for p in parts]
     if inv_scale != 1.0 and tensors:
-        torch._foreach_mul_(tensors, inv_scale)
+        _scale_(tensors, inv_scale)
     norm = _global_norm([p for p in parts if p.counted], comm)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm and tensors:
-        torch._foreach_mul_(tensors, max_norm / (norm + 1e-6))
+        _scale_(tensors, max_norm / (norm + 1e-6))
     return norm
+
+
+def _scale_(tensors: list, factor: float) -> None:
+    """Every tensor *= factor, in place: one foreach call per (device, dtype) group (a mixed
+    list would take foreach's per-tensor path; host-offloaded gradients mix devices)."""
+    for (group,), _ in _group_tensors_by_device_and_dtype([tensors]).values():
+        torch._foreach_mul_(group, factor)
 
 
 def _global_norm(parts: list[GradPart], comm) -> float:
@@ -62,10 +73,11 @@ def _global_norm(parts: list[GradPart], comm) -> float:
 
 
 def global_sum(parts: list[GradPart], comm: Optional[Comm],
-               of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The sum over the whole grid of `of(piece)` (a 0-dim fp64 tensor: a sum over the
-    piece's elements) for every counted part, each element of the model once: 0-dim fp64
-    on the collectives' device (the CPU on one process)."""
+               of: Callable[[list], torch.Tensor]) -> torch.Tensor:
+    """The sum over the whole grid of `of`'s value of each piece (`of`: pieces of one
+    device and dtype -> fp64 [n], each a sum over the piece's elements) for every counted
+    part, each element of the model once: 0-dim fp64 on the collectives' device (the CPU
+    on one process)."""
     parts = [p for p in parts if p.counted]
     if comm is None or not comm.meshes:  # one process: every tensor is whole and here
         return _sum_of([p.tensor for p in parts], "cpu", of)
@@ -83,20 +95,35 @@ def global_sum(parts: list[GradPart], comm: Optional[Comm],
     return total
 
 
-def _squares(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
+def _squares(tensors: list) -> torch.Tensor:
+    """Each tensor's squared L2 norm, fp64 [n]: the squares of fp32 (or 16-bit) entries are
+    exact in fp64 and summed there, on CUDA too (_foreach_norm accumulates in its output
+    dtype)."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)) ** 2
 
 
-def _zeros(t: torch.Tensor) -> torch.Tensor:
-    return (t.numel() - torch.count_nonzero(t)).to(torch.float64)
+def _zeros(tensors: list) -> torch.Tensor:
+    """Each tensor's count of zero entries, fp64 [n] (exact below 2**53): numel minus its
+    "L0 norm", the count of entries != 0 (NaN counts as nonzero, as in count_nonzero)."""
+    nonzero = torch.stack(torch._foreach_norm(tensors, 0, dtype=torch.float64))
+    sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.float64)
+    return sizes.to(nonzero.device) - nonzero
 
 
 def _sum_of(tensors: list, device, of) -> torch.Tensor:
-    """Sum of `of` over `tensors`, fp64, on `device` (a collective's device)."""
+    """Sum of `of` (per-tensor values [n] of a list of tensors of one device and dtype) over
+    `tensors`, fp64, on `device` (a collective's device). The values are summed in the
+    order of `tensors`, whatever the grouping: the same sum, bit for bit, as one kernel
+    per tensor would give."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
     # .to: some parts may live on the host (--optimizer-cpu-offload's gradients)
-    return torch.stack([of(t).to(device) for t in tensors]).sum()
+    groups = list(_group_tensors_by_device_and_dtype([tensors], with_indices=True).values())
+    if len(groups) == 1:  # one device and dtype: already in order
+        return of(groups[0][0][0]).to(device).sum()
+    values = torch.cat([of(group).to(device) for (group,), _ in groups])
+    where = torch.tensor([i for _, indices in groups for i in indices], device=device)
+    return values.new_empty(len(tensors)).index_copy_(0, where, values).sum()
 
 
 @torch.no_grad()

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
 
 from megaulysses.config import TrainConfig
 from megaulysses.config.schedule import decoupled_min_lr, schedule_position
 
+log = logging.getLogger(__name__)
 
 # Megatron-LM's is_embedding_or_output_parameter, which --decoupled-lr applies to: the word
 # embedding (and its tied copy on a pipeline's last stage, under the same name) and the
@@ -56,13 +60,25 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
 
 
 def adamw(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
-    # fused=True runs one kernel per step on CPU and CUDA; fall back where unsupported
-    # (e.g. DTensor parameters on some backends) rather than fail.
+    """torch's fused AdamW: one multi-tensor kernel per device and dtype, on CPU and CUDA
+    (model/ops/kernels.py says why not apex's FusedAdam). Where torch has no fused kernel
+    for a parameter (its device or dtype) its foreach kernels for all, said in the log;
+    never the for-loop (a few kernels per parameter from Python, torch's default on CPU).
+    Decided here: torch would refuse only at the first step."""
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    try:
+    fused = _fused_devices()
+    refused = sorted({f"{p.dtype} on {p.device.type}" for g in groups for p in g["params"]
+                      if not (p.is_floating_point() and p.device.type in fused)})
+    if not refused:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW([dict(g) for g in groups], **kwargs)
+    _said_once(f"AdamW: torch has no fused kernel for parameters of {', '.join(refused)}: "
+               f"its foreach kernels instead")
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _said_once(message: str) -> None:
+    log.info("%s", message)  # a ZeRO optimizer may build several AdamWs
 
 
 class LRSchedule:

@@ -28,6 +28,7 @@ from megaulysses.data.tokenizer import Tokenizer
 from megaulysses.data.workers import with_workers
 from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.gpt import GPT
+from megaulysses.model.ops.kernels import select_kernels
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dist_opt import describe as describe_dist_opt
 from megaulysses.parallel.dims import CP, DP, SP, build_mesh, init_distributed
@@ -144,6 +145,7 @@ def build_run(cfg: Config) -> Run:
     log.info("%s", format_settings(run_cfg))  # what the flags mean, before anything runs
     log_megatron_meanings(cfg, run_cfg)
     backend, core = attention_backend(run_cfg, device, dtype)
+    log.info("%s", select_kernels(device).describe())  # apex probed here, once
     comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
     check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick
     data = _build_data(run_cfg, rank, comm, tokenizer)

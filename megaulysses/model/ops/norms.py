@@ -1,11 +1,16 @@
 """RMSNorm with a hand-written backward (`rms_norm`; autograd's has ~2x the passes),
-computed in fp32 on an input of any float dtype, which it keeps as given.
+computed in fp32 on an input of any float dtype, which it keeps as given. On CUDA an fp32
+input may take apex's fused kernel instead (kernels.py says when).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from megaulysses.model.ops.kernels import FusedNorm, select_kernels
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -46,4 +51,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     float dtype (kept for backward as given, not widened) and an fp32 weight."""
     if weight.dtype != torch.float32 or not x.is_floating_point():
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+    fused = _apex(x, weight)
+    if fused is not None:
+        return fused(x, weight, (x.shape[-1],), eps)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def _apex(x: torch.Tensor, weight: torch.Tensor) -> Optional[FusedNorm]:
+    """apex's fused RMSNorm where it keeps this function's contract: fp32 x (for a 16-bit
+    x its output would be 16-bit), contiguous (apex would keep a contiguous copy for
+    backward, ours keeps x), plain CUDA tensors (no tensor subclass), eagerly (under
+    torch.compile ours traces; apex's extension would break the graph). None: ours."""
+    if (x.dtype != torch.float32 or not x.is_cuda or not x.is_contiguous()
+            or type(x) is not torch.Tensor
+            or type(weight) not in (torch.Tensor, torch.nn.Parameter)
+            or torch.compiler.is_compiling()):
+        return None
+    return select_kernels(x.device).rms_norm
