@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from megaulysses.parallel.comm_stats import (BYTE_KINDS, OTHER_GROUP, CommStats,  # noqa: F401
                                              _FunctionalCollectiveCounter, _nbytes)
@@ -212,15 +213,21 @@ class Comm:
             return x
         return _AllToAll.apply(x, self, dim, scatter_dim, gather_dim)
 
-    def _all_to_all_raw(self, x, dim: str, scatter_dim: int, gather_dim: int):
+    def all_to_all_start(self, x: torch.Tensor, dim: str, scatter_dim: int,
+                         gather_dim: int) -> PendingAllToAll:
+        """`all_to_all`'s exchange issued and not waited for (no autograd; a2a_overlap.py
+        builds it): `.wait()` returns the result. Counted here, its wait timed at wait."""
         p = self.size(dim)
-        chunks = [c.contiguous() for c in x.chunk(p, dim=scatter_dim)]
-        send = torch.stack(chunks)  # [P, ...chunk]: the chunk for rank i at index i
-        recv = torch.empty_like(send)
+        send = torch.stack([c.contiguous() for c in x.chunk(p, dim=scatter_dim)])  # [P, ...]
+        recv = torch.empty_like(send)  # chunk i from rank i at index i
         self.stats.add("all_to_all", _nbytes(send) * (p - 1) / p, dim)
         with self.stats.timed("all_to_all", send):
-            dist.all_to_all_single(recv, send, group=self.group(dim))
-        return torch.cat(recv.unbind(0), dim=gather_dim)
+            work = dist.all_to_all_single(recv, send, group=self.group(dim), async_op=True)
+        return PendingAllToAll(self.stats.timed_work(work, "all_to_all", send), send, recv,
+                               gather_dim)
+
+    def _all_to_all_raw(self, x, dim: str, scatter_dim: int, gather_dim: int):
+        return self.all_to_all_start(x, dim, scatter_dim, gather_dim).wait()
 
 
     # -- all-gather / reduce-scatter with autograd (Megatron-style sequence parallel) -----
@@ -295,6 +302,20 @@ class Comm:
             if mesh is not None and mesh.ndim == 1 and mesh.get_group().group_name == group_name:
                 return dim
         return OTHER_GROUP  # a group of no mesh dim (e.g. a checkpoint's): still counted
+
+
+class PendingAllToAll:
+    """An all-to-all in flight. The send buffer stays referenced until `wait()` (gloo and
+    NCCL read it meanwhile), which returns the exchanged tensor, once."""
+
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, gather_dim: int):
+        self.work, self.send, self.recv, self.gather_dim = work, send, recv, gather_dim
+
+    def wait(self) -> torch.Tensor:
+        with record_function("megaulysses::all_to_all_wait"):  # profiler traces' marker
+            self.work.wait()
+        recv, self.work, self.send, self.recv = self.recv, None, None, None
+        return torch.cat(recv.unbind(0), dim=self.gather_dim)
 
 
 class RingPass:

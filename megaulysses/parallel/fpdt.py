@@ -43,6 +43,14 @@ Attention dropout: the block kernel (not the fused one) with the positional mask
 model/attention/dropout.py over the rows' global positions and heads, so each (query,
 key) pair is dropped as in one process, in whichever chunk pair it is met.
 
+Overlap (parallel/a2a_overlap.py; `overlap` off: the same results bit for bit, blocking):
+forward, each k or v chunk is exchanged while the one before is kept; q_{i+1} while chunk
+i attends, and out_i while chunk i+1 does (written into the output then). Backward,
+dout_{i+1} while chunk i runs backward, dq_i while chunk i+1 does; each dk or dv chunk
+while the one before has its repeats summed. Not hidden: the k, v exchanges (before any
+attention) and the dk, dv ones (after). One chunk's exchange more is live (sent and
+received): planner/memory/chunked.py counts q_{i+1} and dout_{i+1}.
+
 Limits: no ring (contiguous slices, no zigzag); hq % P == 0, and
 hkv and P divide one another; n % C == 0. The host copies are synchronous (pinned
 memory on CUDA): simple, not overlapped with compute.
@@ -50,7 +58,7 @@ memory on CUDA): simple, not overlapped with compute.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
@@ -58,7 +66,8 @@ from megaulysses.model.attention import AttentionMask
 from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
                                                partial_forward, plain_fused_kernel)
 from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
-from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.a2a_overlap import one_ahead
+from megaulysses.parallel.comm import Comm, PendingAllToAll
 from megaulysses.parallel.dims import SP
 from megaulysses.parallel.host_memory import mark_host
 from megaulysses.parallel.ulysses import repeat_kv_heads
@@ -75,11 +84,13 @@ class ChunkedUlyssesAttention:
 
     takes_qkv = True  # SelfAttention passes q, k, v in a list it keeps no reference to
 
-    def __init__(self, comm: Comm, chunks: int, offload: bool, dim: str = SP):
+    def __init__(self, comm: Comm, chunks: int, offload: bool, dim: str = SP,
+                 overlap: bool = True):
         if chunks < 1:
             raise ValueError(f"chunked Ulysses attention needs chunks >= 1, got {chunks}")
         self.comm, self.chunks, self.offload, self.dim = comm, chunks, offload, dim
         self.P = comm.size(dim)
+        self.overlap = overlap  # one chunk ahead (a2a_overlap.py); off: the same, blocking
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  dropout_p: float = 0.0, mask: Optional[AttentionMask] = None) -> torch.Tensor:
@@ -112,7 +123,7 @@ class _Plan:
     def __init__(self, core: ChunkedUlyssesAttention, q: torch.Tensor, k: torch.Tensor,
                  mask: AttentionMask, dropout: Optional[AttentionDropout] = None):
         self.comm, self.dim, self.P, self.C = core.comm, core.dim, core.P, core.chunks
-        self.offload, self.device = core.offload, q.device
+        self.offload, self.device, self.overlap = core.offload, q.device, core.overlap
         self.n = q.shape[1]  # S/P local tokens
         self.L = self.n // self.C
         layout_block = mask.layout.block if mask.layout is not None else None
@@ -129,11 +140,25 @@ class _Plan:
         """Chunk c's rows of a local `[b, S/P, ...]` tensor."""
         return slice(c * self.L, (c + 1) * self.L)
 
-    def to_heads(self, t: torch.Tensor) -> torch.Tensor:  # [b, L, h, d] -> [b, P*L, h/P, d]
-        return self.comm.all_to_all(t, self.dim, scatter_dim=2, gather_dim=1)
+    def exchanged(self, starts: list) -> Iterator[torch.Tensor]:
+        """The results of `starts` (each issues one exchange) in order: overlapped, the
+        next one in flight while the caller works on the current; else one at a time."""
+        return one_ahead(starts) if self.overlap else (s().wait() for s in starts)
 
-    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:  # [b, P*L, h/P, d] -> [b, L, h, d]
-        return self.comm.all_to_all(t, self.dim, scatter_dim=1, gather_dim=2)
+    def heads(self, t: Callable[[], torch.Tensor]) -> Callable[[], PendingAllToAll]:
+        """The exchange of what `t()` makes `[b, L, h, d]` -> `[b, P*L, h/P, d]` (heads
+        scattered, sequence gathered), to issue when called (`exchanged`)."""
+        return lambda: self.comm.all_to_all_start(t(), self.dim, scatter_dim=2, gather_dim=1)
+
+    def land(self, dst: torch.Tensor, pending: list, keep: int = 1) -> None:
+        """`back`'s exchanges issued, [(rows, exchange)]: each written into its rows
+        of `dst` `[b, S/P, h, d]`; overlapped, the newest `keep` left in flight."""
+        while len(pending) > (keep if self.overlap else 0):
+            rows, p = pending.pop(0)
+            dst[:, rows] = p.wait()
+
+    def back(self, t: torch.Tensor) -> PendingAllToAll:  # [b, P*L, h/P, d] -> [b, L, h, d]
+        return self.comm.all_to_all_start(t, self.dim, scatter_dim=1, gather_dim=2)
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         """What backward needs: `t` itself, or with offload its host copy (pinned beside a
@@ -271,17 +296,23 @@ class _Chunked(torch.autograd.Function):
     def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention,
                 dropout: Optional[AttentionDropout]):
         plan = _Plan(core, q, k, mask, dropout)  # backward reuses it: the same masks
-        kv = [tuple(plan.keep(plan.to_heads(repeat_kv_heads(t[:, plan.rows(j)], plan.P)))
-                    for t in (k, v))
-              for j in range(plan.C)]  # C x (k_j, v_j) [b, P*L, hkv/P, d]
+        P, rows = plan.P, plan.rows
+        kv = [plan.keep(t) for t in plan.exchanged(  # k_0, v_0, k_1, ...: one ahead
+            [plan.heads(lambda t=t, j=j: repeat_kv_heads(t[:, rows(j)], P))
+             for j in range(plan.C) for t in (k, v)])]  # [b, P*L, hkv/P, d]
+        kv = list(zip(kv[0::2], kv[1::2]))  # C x (k_j, v_j)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, S/P, hq, d]
-        saved = []
-        for i in range(plan.C):
-            q_i = plan.to_heads(q[:, plan.rows(i)])  # [b, P*L, hq/P, d]
+        saved, pending = [], []
+        # q_{i+1} in flight while chunk i attends; out_{i-1} too (`land` one behind)
+        q_chunks = plan.exchanged([plan.heads(lambda i=i: q[:, rows(i)])
+                                   for i in range(plan.C)])
+        for i, q_i in enumerate(q_chunks):  # [b, P*L, hq/P, d]
             out_i, lse_i = _attend(plan, q_i, kv, mask, i)
-            out[:, plan.rows(i)] = plan.to_sequence(out_i)  # [b, L, hq, d]
+            pending.append((rows(i), plan.back(out_i)))  # -> [b, L, hq, d]
+            plan.land(out, pending)
             saved += [plan.keep(t) for t in (q_i, out_i, lse_i)]
             del q_i, out_i, lse_i
+        plan.land(out, pending, keep=0)
         # Through save_for_backward, not ctx attributes: under recomputation the
         # checkpoint's saved-tensor hooks then drop them after forward and recompute them
         # for backward, as for any op.
@@ -299,30 +330,44 @@ class _Chunked(torch.autograd.Function):
         del kept
         dq = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device)  # [b, S/P, hq, d]
         acc: list = [[None, None] for _ in range(plan.C)]  # dk_j, dv_j fp32 [b, P*L, hkv/P, d]
-        for i in range(plan.C):
+        pending = []  # dout_{i+1} in flight while chunk i runs backward, dq_{i-1} too
+        do_chunks = plan.exchanged([plan.heads(lambda i=i: dout[:, plan.rows(i)])
+                                    for i in range(C)])
+        for i, do_i in enumerate(do_chunks):  # [b, P*L, hq/P, d]
             q_i, out_i, lse_i = (plan.fetch(t) for t in saved[i])
             saved[i] = None
-            dq_i = _backward_chunk(plan, q_i, out_i, lse_i, dout, kv, acc, mask, i)
-            dq[:, plan.rows(i)] = plan.to_sequence(dq_i.to(dout.dtype))  # [b, L, hq, d]
-            del q_i, out_i, lse_i, dq_i
+            dq_i = _backward_chunk(plan, q_i, out_i, lse_i, do_i.contiguous(), kv, acc,
+                                   mask, i)
+            pending.append((plan.rows(i), plan.back(dq_i.to(dout.dtype))))  # [b, L, hq, d]
+            plan.land(dq, pending)
+            del q_i, out_i, lse_i, dq_i, do_i
+        plan.land(dq, pending, keep=0)
         del kv
-        grads = []
-        for which, dtype in enumerate(ctx.dtypes):
-            g = torch.empty(ctx.kv_shape, dtype=dtype, device=dout.device)  # [b, S/P, hkv, d]
-            for j in range(plan.C):
-                part = plan.fetch(acc[j][which]).to(dtype)  # [b, P*L, max(hkv, P)/P, d]
-                acc[j][which] = None
-                g[:, plan.rows(j)] = _sum_repeats(plan.to_sequence(part), g.shape[2])
-                del part
-            grads.append(g)
-        return dq, grads[0], grads[1], None, None, None
+        return (dq, *_kv_grads(plan, acc, ctx.dtypes, ctx.kv_shape), None, None, None)
 
 
-def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, dout, kv: list, acc: list,
+def _kv_grads(plan: _Plan, acc: list, dtypes: tuple, shape) -> list:
+    """[dk, dv] `[b, S/P, hkv, d]` from the fp32 sums `acc` (emptied), chunk by chunk,
+    each chunk's exchange issued while the one before has its repeats summed."""
+    grads = [torch.empty(shape, dtype=dtype, device=plan.device) for dtype in dtypes]
+
+    def part(j: int, w: int) -> torch.Tensor:  # [b, P*L, max(hkv, P)/P, d], its sum dropped
+        t, acc[j][w] = plan.fetch(acc[j][w]).to(dtypes[w]), None
+        return t
+
+    starts = [lambda j=j, w=w: plan.back(part(j, w)) for w in range(2) for j in range(plan.C)]
+    for n, t in enumerate(plan.exchanged(starts)):  # [b, L, max(hkv, P), d]
+        w, j = divmod(n, plan.C)
+        grads[w][:, plan.rows(j)] = _sum_repeats(t, shape[2])
+        del t
+    return grads
+
+
+def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, do_i, kv: list, acc: list,
                     mask: AttentionMask, i: int) -> torch.Tensor:
-    """Query chunk i's share of backward: its dq_i (fp32 `[b, P*L, hq/P, d]`); every key
-    chunk's shares added into `acc`."""
-    do_i = plan.to_heads(dout[:, plan.rows(i)]).contiguous()  # [b, P*L, hq/P, d]
+    """Query chunk i's share of backward, `do_i` its exchanged output gradient `[b, P*L,
+    hq/P, d]`: its dq_i (fp32 `[b, P*L, hq/P, d]`); every key chunk's shares added into
+    `acc`."""
     delta = None if plan.kernel else (do_i.float() * out_i).sum(-1).transpose(1, 2)  # fp32
     dq_i = None
     for j, (k_j, v_j) in enumerate(kv):

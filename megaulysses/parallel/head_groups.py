@@ -32,6 +32,21 @@ not the output's exchange: the group's recomputation stops at the core's last sa
 checkpoint no longer stops early (below): its last sublayer output is reduced again under
 tensor parallelism, as with the tiled MLP.
 
+Overlap (parallel/a2a_overlap.py; on unless the Ulysses wrapper has `overlap` off, the
+same results bit for bit): group g+1's q, k, v exchanges are issued before group g's
+checkpoint runs and waited for inside group g+1's (its forward uses the results; its
+recomputation, which gets no such head start, exchanges its saved inputs again, blocking),
+and group g's output exchange is issued at the end of its group and waited for after
+group g+1's core. Backward mirrors it by autograd's order: group g-1's output gradient is
+exchanged while group g's recomputation and core backward run, and group g's input
+gradients while group g-1's do. The memory contract: a checkpoint keeps what it kept (a
+not-yet-waited exchange is a 0-element token to it); what is live grows by one group's
+exchanges in flight, so at most two groups' whole-sequence tensors at once: forward the
+next group's q, k, v (sent and received) and the group before's output, backward the group
+before's input gradients (planner/memory/cores.py counts the forward's; why not the
+backward's, measured, is said there). The recomputation's
+exchanges (`regroup_bytes_per_layer`) are the ones not hidden.
+
 Composes with: the ring (the core inside Ulysses; a group's core is the ring over its
 heads); masks (passed unchanged); tensor parallelism (the rank's local heads: q, k, v are
 plain tensors here); selective recomputation (the group's checkpoint already recomputes
@@ -101,6 +116,8 @@ class HeadGroups:
         # inside would run it a third time.
         self.core: AttentionCore = core.core if isinstance(core, RecomputedCore) else core
         self.P = self.exchange.P if self.exchange is not None else 1
+        # one group ahead (a2a_overlap.py) under Ulysses, unless its wrapper says not
+        self.overlapped = self.exchange is not None and self.exchange.overlap
 
     def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):
         return self.take([q, k, v], dropout_p, mask)
@@ -123,42 +140,103 @@ class HeadGroups:
         kv_r = max(hkv, P) // P  # kv heads the rank attends with
         whole = kv_r % G != 0
         if whole:  # G a multiple of kv_r: exchanged once, group g reads head g*kv_r/G
-            kv = self.exchange.kv_to_heads(qkv) if self.exchange is not None else qkv
+            kv, ahead = self._kv_whole(qkv, qs[0])
             ks, vs = ([heads[g * kv_r // G] for g in range(G)]  # G views [b, S, 1, d]
                       for heads in (t.split(1, dim=2) for t in kv))
             del kv
         else:  # grouped like q: G views [b, s, P, kv_r/G, d]
             ks, vs = (t.unflatten(2, (P, G, kv_r // G)).unbind(3) for t in qkv)
+            ahead = self._start(qs[0], ks[0], vs[0], whole) if self.overlapped else None
         qkv.clear()
-        outs = []
-        for g in range(G):
-            group_drop = drop.shifted(first + g * n) if drop is not None else 0.0
-            args = (qs[g], ks[g], vs[g], whole, group_drop, mask)
-            if torch.is_grad_enabled():
-                # Its own recomputation stops at the core's last saved tensor (the output
-                # exchange saves nothing, so it is not sent again); nested in a block's
-                # checkpoint too, whose setting is not the one in effect here.
-                with set_checkpoint_early_stop(True):
-                    outs.append(checkpoint(self._group, *args, use_reentrant=False))
-            else:
-                outs.append(self._group(*args))
-            del args
-        del qs, ks, vs
+        drops = [drop.shifted(first + g * n) if drop is not None else 0.0 for g in range(G)]
+        if self.overlapped:
+            outs = self._overlapped(qs, ks, vs, whole, drops, mask, ahead)
+        else:
+            outs = [self._run(qs[g], ks[g], vs[g], whole, drops[g], mask) for g in range(G)]
+        del qs, ks, vs, ahead
         # [b, s, P, n, d] each -> [b, s, P, G, n, d]: the heads' places without groups;
         # stack's backward hands each group a view of the gradient (a group's exchange
         # then copies its 1/G share contiguous, as its forward did)
         return torch.stack([o.unflatten(2, (P, n)) for o in outs], dim=3).flatten(2, 4)
 
-    def _group(self, q, k, v, whole: bool, dropout_p: float, mask):
+    def _kv_whole(self, kv: list, q0: torch.Tensor) -> tuple[list, Optional[_GroupIO]]:
+        """(k, v exchanged whole, emptying `kv`; overlapped, group 0's inputs: its q issued
+        behind them, in flight while they are waited for)."""
+        if self.exchange is None:
+            return list(kv), None
+        if not self.overlapped:
+            return self.exchange.kv_to_heads(kv), None
+        pending = self.exchange.kv_start_heads(kv)
+        ahead = self._start(q0, None, None, True)
+        return [p.wait() for p in pending], ahead
+
+    def _overlapped(self, qs, ks, vs, whole: bool, drops: list, mask,
+                    ahead: _GroupIO) -> list:
+        """The groups one ahead (a2a_overlap.py), from group 0's inputs issued (`ahead`):
+        group g+1's q, k, v exchanges are issued before group g's core runs, and group
+        g's output is waited for after group g+1's core; the exchanged outputs, in order."""
+        G, outs, done = self.groups, [], None
+        for g in range(G):
+            io = ahead
+            ahead = self._start(qs[g + 1], ks[g + 1], vs[g + 1], whole) if g + 1 < G \
+                else None
+            running = self._run(qs[g], ks[g], vs[g], whole, drops[g], mask, io)
+            if done is not None:
+                outs.append(done.wait())  # [b, s, P*n, d]
+            done = running
+            del io, running
+        outs.append(done.wait())
+        return outs
+
+    def _start(self, q, k, v, whole: bool) -> _GroupIO:
+        """A group's input exchanges issued: q, and k and v unless exchanged whole."""
+        ex = self.exchange
+        return _GroupIO([ex.start_heads(q)] + ([] if whole else [ex.start_heads(k),
+                                                                   ex.start_heads(v)]))
+
+    def _run(self, q, k, v, whole: bool, dropout_p, mask, io: Optional[_GroupIO] = None):
+        """One group, under grad in a checkpoint of its own."""
+        args = (q, k, v, whole, dropout_p, mask, io)
+        if not torch.is_grad_enabled():
+            return self._group(*args)
+        # Its own recomputation stops at the core's last saved tensor (the output
+        # exchange saves nothing, so it is not sent again); nested in a block's
+        # checkpoint too, whose setting is not the one in effect here.
+        with set_checkpoint_early_stop(True):
+            return checkpoint(self._group, *args, use_reentrant=False)
+
+    def _group(self, q, k, v, whole: bool, dropout_p: float, mask,
+               io: Optional[_GroupIO] = None):
         """One group: q `[b, s, P, n, d]`; k, v the same with their heads, or exchanged
-        already (`whole`, `[b, S, 1, d]`) -> out `[b, s, P*n, d]`."""
-        if self.exchange is not None:
+        already (`whole`, `[b, S, 1, d]`) -> out `[b, s, P*n, d]`. Overlapped (`io`): the
+        input exchanges issued already, and the output's `Exchange` returned, issued;
+        recomputed, exchanged again here, the output not at all (its result is unused)."""
+        recomputed = io is not None and io.ran
+        if io is not None and not recomputed:
+            q, *kv = (e.wait() for e in io.inputs)  # [b, S, 1, n, d]
+            k, v = kv if kv else (k, v)
+            io.inputs = None
+        elif self.exchange is not None:
             q = self.exchange.to_heads(q)  # [b, S, 1, n, d]
             if not whole:
                 k, v = self.exchange.to_heads(k), self.exchange.to_heads(v)
         q, k, v = (t.flatten(2, 3) if t.dim() == 5 else t for t in (q, k, v))  # [b, S, n, d]
         out = self.core(q, k, v, dropout_p, mask)  # [b, S, n, d]
         del q, k, v
+        if recomputed:
+            return out
+        if io is not None:
+            io.ran = True
+            return self.exchange.start_sequence(out)  # waited for after the next group's core
         if self.exchange is not None:
             out = self.exchange.to_sequence(out)  # [b, s, P*n, d]
         return out
+
+
+class _GroupIO:
+    """An overlapped group's exchanges: its inputs', issued a group ahead; `ran` once its
+    forward ran (a second run is its checkpoint's recomputation)."""
+
+    def __init__(self, inputs: list):
+        self.inputs: Optional[list] = inputs
+        self.ran = False

@@ -19,9 +19,14 @@ Bytes sent per rank per layer (forward; backward sends the same again):
 MHA (hq = hkv = h/d heads): 4 * b*S*h * bytes * (P-1)/P^2, the paper's 4Nh/P per layer
 up to the (P-1)/P a rank keeps for itself.
 
+Overlap (a2a_overlap.py): q, k and v's exchanges are issued together and waited for in
+order, their gradients' likewise; nothing else computes meanwhile (the core needs all
+three), and the output's exchange waits (the out-projection needs it). Hiding them behind
+attention takes pieces: --attention-head-groups (one group ahead) or FPDT (one chunk).
+
 Memory: SelfAttention hands q, k and v over (`take`), so each sequence-sharded tensor is
-freed once sent; the whole-sequence q, k, v and out of all the rank's heads exist at once
-(one layer's core). --attention-head-groups runs them one group of heads at a time
+freed once issued (its packed send copy once waited for); the whole-sequence q, k, v and
+out of all the rank's heads exist at once (one layer's core). --attention-head-groups runs them one group of heads at a time
 (parallel/head_groups.py, around this wrapper's three exchanges).
 """
 
@@ -33,6 +38,7 @@ import torch
 
 from megaulysses.model.attention import AttentionCore
 from megaulysses.model.attention.dropout import DropoutArg, as_dropout
+from megaulysses.parallel.a2a_overlap import Exchange, start
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 
@@ -45,14 +51,17 @@ class UlyssesAttention:
 
     `take([q, k, v], ...)` is the same with q, k and v handed over (SelfAttention does):
     each is popped from the list as it is exchanged, so with no other reference left the
-    sequence-sharded tensor is freed right after its all-to-all and never coexists with
-    its whole-sequence copy (nor with the core's working set)."""
+    sequence-sharded tensor is freed once its all-to-all is issued (the packed copy it
+    sends, once received) and never coexists with the core's working set."""
 
     takes_qkv = True  # SelfAttention passes q, k, v in a list it keeps no reference to
 
-    def __init__(self, core: AttentionCore, comm: Comm, dim: str = SP):
+    def __init__(self, core: AttentionCore, comm: Comm, dim: str = SP, overlap: bool = True):
         self.core, self.comm, self.dim = core, comm, dim
         self.P = comm.size(dim)
+        # q, k, v's exchanges in flight together (a2a_overlap.py); off: one at a time,
+        # the same results bit for bit (the tests' and benchmarks' reference)
+        self.overlap = overlap
 
     def __call__(self, q, k, v, dropout_p: float = 0.0, mask=None):
         # q [b, S/P, hq, d], k/v [b, S/P, hkv, d] -> [b, S/P, hq, d]
@@ -65,8 +74,12 @@ class UlyssesAttention:
         drop = as_dropout(dropout_p)
         if drop is not None:
             drop = drop.shifted(self.comm.rank(self.dim) * (qkv[0].shape[2] // self.P))
-        q = self.to_heads(qkv.pop(0))  # [b, S, hq/P, d]
-        k, v = self.kv_to_heads(qkv)  # [b, S, max(hkv, P)/P, d]
+        if self.overlap:  # issued together, waited for in order
+            pending = [self.start_heads(qkv.pop(0))] + self.kv_start_heads(qkv)
+            q, k, v = (pending.pop(0).wait() for _ in range(3))
+        else:
+            q = self.to_heads(qkv.pop(0))  # [b, S, hq/P, d]
+            k, v = self.kv_to_heads(qkv)  # [b, S, max(hkv, P)/P, d]
         out = self.core(q, k, v, drop or 0.0, mask)  # [b, S, hq/P, d]
         del q, k, v  # what the core saved for backward stays; no_grad: freed here
         return self.to_sequence(out)  # [b, S/P, hq, d]
@@ -86,6 +99,21 @@ class UlyssesAttention:
         out = []
         while kv:
             out.append(self.to_heads(repeat_kv_heads(kv.pop(0), self.P)))
+        return out
+
+    def start_heads(self, t: torch.Tensor) -> Exchange:
+        """`to_heads` issued; `.wait()` returns its result (a2a_overlap.py)."""
+        return start(self.comm, t, self.dim, scatter_dim=2, gather_dim=1)
+
+    def start_sequence(self, t: torch.Tensor) -> Exchange:
+        """`to_sequence` issued; `.wait()` returns its result."""
+        return start(self.comm, t, self.dim, scatter_dim=1, gather_dim=2)
+
+    def kv_start_heads(self, kv: list) -> list:
+        """`kv_to_heads` issued: [k, v], emptied -> their two exchanges."""
+        out = []
+        while kv:
+            out.append(self.start_heads(repeat_kv_heads(kv.pop(0), self.P)))
         return out
 
 

@@ -19,7 +19,14 @@ Time of one iteration, on the slowest of those stages:
              forward; --attention-head-groups, the attention forward (each group is
              recomputed right before its backward).
   exposed    Ulysses all-to-alls, tensor-parallel collectives and pipeline sends wait for
-             nothing to overlap them: their time is added as is.
+             nothing to overlap them: their time is added as is; except the all-to-alls
+             Ulysses issues a piece ahead (parallel/a2a_overlap.py) when its layer runs in
+             n pieces (--attention-head-groups, FPDT's chunks): every piece's exchange but
+             the first of each phase is in flight while another piece's attention computes,
+             so of those exchanges' seconds A, (n-1)/n * min(A, attention) are hidden, the
+             rest shows: A/n + (n-1)/n * max(0, A - attention). Head groups' recomputation
+             exchanges, FPDT's key and value exchanges, and without pieces all of them
+             show whole (`_hidden_all_to_all`). Under the ring its passes hide first.
   overlapped the ring's key/value passes hide behind the ring's attention compute (only
              what exceeds it shows); ZeRO's gradient reductions (and ZeRO-2/3's parameter
              gathers) hide behind the step's compute; ZeRO-1's all-gather after the
@@ -46,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megaulysses.config import Config
+from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.attention import mask_from_config
 from megaulysses.model.flops import flops_per_iteration
 from megaulysses.parallel.dims import CP, DP, DP_SP, PP, SP, TP, ParallelDims
@@ -149,6 +157,8 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
               for key, n in plan.comm_by_group.items()}
     exposed_mb = sum(s for (g, _), s in comm_s.items() if g in EXPOSED) / m
     ring_mb = sum(s for (g, _), s in comm_s.items() if g == CP) / m
+    exposed_mb -= _hidden_all_to_all(cfg, dims, plan, comm_s.get((SP, "all_to_all"), 0) / m,
+                                      max(0.0, attention_mb - ring_mb))
     t_mb = compute_mb + exposed_mb + max(0.0, ring_mb - attention_mb)
     par, half = cfg.parallel, cfg.train.bf16 or cfg.train.fp16
     overlap_gather = par.overlap_param_gather and par.use_distributed_optimizer and half
@@ -162,6 +172,29 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
                 exposed=m * (t_mb - compute_mb) + offload + zero_s, bubble=bubble,
                 optimizer=optimizer,
                 flops=m * work["total"], comm_s=comm_s)
+
+
+def _hidden_all_to_all(cfg: Config, dims: ParallelDims, plan: MemoryPlan, a2a_s: float,
+                       attention_s: float) -> float:
+    """Seconds of a micro-batch's Ulysses all-to-alls (`a2a_s`) that its attention compute
+    (`attention_s`, what the ring's passes leave) hides: with the layer in n pieces, of
+    the exchanges issued a piece ahead (a2a_overlap.py; their share of the bytes below),
+    (n-1)/n, at most (n-1)/n of the attention."""
+    m, mem, P = cfg.model, cfg.memory, dims.sp
+    hq, kv = m.num_attention_heads // dims.tp, max(m.num_kv_heads // dims.tp, P)
+    chunks = fpdt_chunks(m, mem) if P > 1 else 0
+    if chunks > 1:  # q and out (dout and dq) overlap; k and v (dk, dv) go first (last)
+        pieces, share = chunks, hq / (hq + kv)
+    elif mem.attention_head_groups > 1 and P > 1:
+        pieces = mem.attention_head_groups
+        # per layer, heads sent: forward (again if recomputed) and backward, each group's
+        # recomputation (regroup_bytes_per_layer's: q, and k, v unless exchanged whole)
+        ahead = (2 * hq + 2 * kv) * (2 * plan.layers + plan.recomputed_layers)
+        again = (hq + (2 * kv if (kv // P) % pieces == 0 else 0)) * plan.layers
+        share = ahead / (ahead + again)
+    else:
+        return 0.0
+    return (pieces - 1) / pieces * min(share * a2a_s, attention_s)
 
 
 def _flops(cfg: Config, dims: ParallelDims, plan: MemoryPlan, last: bool) -> dict:

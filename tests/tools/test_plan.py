@@ -111,6 +111,40 @@ def test_ring_attention_runs_at_the_ring_kernel_speed():
     assert fast.compute_s < slow.compute_s < 2 * fast.compute_s
 
 
+def test_head_groups_hide_the_all_to_all_behind_attention():
+    """Ulysses' exchanges issued a group ahead (parallel/a2a_overlap.py): with G head
+    groups (G-1)/G of them hide behind the attention, which here (128k positions) is far
+    longer; the groups' recomputation exchanges show whole. Without groups nothing hides:
+    every all-to-all second is exposed."""
+    from megaulysses.parallel.dims import ParallelDims
+    from megaulysses.hardware import gpu_spec
+    from megaulysses.planner.memory import plan_memory
+    from megaulysses.planner.search import Grid, configure
+    from megaulysses.planner.time_model import predict
+    gpu, dims = gpu_spec("H100"), ParallelDims(dp=1, tp=1, pp=1, sp=4, cp=1)
+    exposed, hidden = {}, {}
+    for G in (1, 2, 4):
+        cfg = configure(base_config(), Grid(1, 1, 1, 4, 1, 3, "full", 1, 1, head_groups=G))
+        p = predict(cfg, dims, gpu)
+        a2a = p.comm_s[("sp", "all_to_all")]
+        shown = sum(sec for (group, _), sec in p.comm_s.items() if group == "sp")
+        exposed[G], hidden[G] = p.exposed_comm_s, shown - p.exposed_comm_s
+        plan = plan_memory(cfg, dims, 0, "cuda")
+        # MHA, 16 heads, sp 4: 4 kv heads a rank, grouped like q (each group's
+        # recomputation sends its q, k and v again)
+        hq = kv = 16
+        again = hq + 2 * kv
+        ahead = (2 * hq + 2 * kv) * (2 * plan.layers + plan.recomputed_layers)
+        want = (G - 1) / G * a2a * ahead / (ahead + again * plan.layers) if G > 1 else 0.0
+        assert hidden[G] == pytest.approx(want, rel=1e-9), G
+    assert exposed[4] < exposed[2] < exposed[1]
+    # FPDT in 8 chunks: q and out (dout and dq) a chunk ahead, half the bytes under MHA
+    fpdt = ["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "16384"]
+    p = predict(configure(base_config(fpdt), Grid(1, 1, 1, 4, 1, 3, "full", 1, 1)), dims, gpu)
+    shown = sum(sec for (group, _), sec in p.comm_s.items() if group == "sp")
+    assert shown - p.exposed_comm_s == pytest.approx(7 / 8 * 0.5 * shown, rel=1e-9)
+
+
 def test_cli_prints_the_top_grids_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     rc, stdout, stderr = run_plan(["--gpus", "16", "--gpu", "a100-40gb", "--top", "3",

@@ -46,9 +46,21 @@ hq/G heads, kv heads grouped alike or, fewer than G a rank, one a rank; measured
     core backward        the largest group: recomputed (its q, k, v and what its core saves)
                          and its core's backward, beside the output's gradient (e*Q, until
                          the last group takes its share) or the input gradients of the
-                         groups done ((G-1)/G of e*(Q + 2K); k, v exchanged whole: 2eK)
+                         groups done ((G-1)/G of e*(Q + 2K); k, v exchanged whole: 2eK).
+                         Not added: under Ulysses the group before's input gradients in
+                         flight (parallel/a2a_overlap.py), their whole-sequence send copy,
+                         e*(Q + 2K)/G (k, v whole: e*Q/G), beside every group's backward but
+                         the first's (whose output-gradient exchanges replace the output's
+                         gradient, as much). Measured on one layer it adds that much to the
+                         later groups' backward; in the trainer's head-groups grid the first
+                         group's backward is the larger by more (the measured peak is the
+                         same with and without the overlap, the plan +8% above it either
+                         way), so counting it would only widen that gap
     core forward         (a layer recomputed) the earlier groups' outputs, (G-1)/G of e*Q,
-                         the group's q, k, v, what its core makes, its working set
+                         the group's q, k, v, what its core makes, its working set; under
+                         Ulysses the exchanges in flight: the next group's q, k, v, sent
+                         and received (2e*(Q + 2K)/G; k, v whole: 2e*Q/G), and the group
+                         before's output, whole (e*Q/G)
 """
 
 from __future__ import annotations
@@ -274,10 +286,23 @@ def _grouped_backward(s: _Shape) -> int:
     return out
 
 
+def _in_flight(g: _Shape, s: _Shape) -> int:
+    """Under Ulysses, a group's input exchanges issued a group ahead (parallel/
+    a2a_overlap.py): their whole-sequence side, q (k and v unless exchanged whole) of one
+    group (`g`)."""
+    if s.sp == 1:
+        return 0
+    return s.e * (g.Q + (0 if _kv_whole(s) else 2 * g.K))
+
+
 def _grouped_forward(s: _Shape) -> int:
-    """The forward working set (a layer recomputed), the last group's: the outputs of the
-    groups before it, waiting to be stacked, and the group's q, k, v, what its core makes
-    and its output ((G-1)/G of e*Q, `_core_terms` and `_core_forward` of one group)."""
-    g = _group(s)
-    return ((s.groups - 1) * s.e * g.Q + sum(_core_terms(g).values())
-            - _group_kv_views(g, s) + _core_forward(g))
+    """The forward working set (a layer recomputed), its largest group's: the outputs of
+    the groups before it, waiting to be stacked, and the group's q, k, v, what its core
+    makes and its output ((G-1)/G of e*Q, `_core_terms` and `_core_forward` of one group);
+    under Ulysses the next group's inputs, sent and received (all but the last group), and
+    the group before's output, whole (all but the first), in flight."""
+    g, G = _group(s), s.groups
+    own = sum(_core_terms(g).values()) - _group_kv_views(g, s) + _core_forward(g)
+    ahead, behind = 2 * _in_flight(g, s), s.e * g.Q if s.sp > 1 else 0
+    return own + max(j * s.e * g.Q + (ahead if j < G - 1 else 0) + (behind if j else 0)
+                     for j in range(G))
