@@ -36,14 +36,15 @@ def megatron_windowed(rank, world, out_dir):
         logits = mo.forward_logits(model, TOKENS)  # [b, s, v]
         mo.save_legacy_torch(model, out_dir, 1, mo.megatron_args("gpt", window_size=WINDOW))
     mo.destroy_megatron()
-    return logits
+    return logits.numpy()  # numpy: a tensor would travel by shared memory the rank takes along
 
 
 def test_a_megatron_window_comes_back_both_ways(tmp_path):
     from megaulysses.model.attention import math_attention
     from megaulysses.model.gpt import build_model
     from megaulysses.training.megatron import read_megatron
-    theirs = run_ranks(megatron_windowed, 1, str(tmp_path / "meg"), daemon=False)[0]
+    theirs = torch.from_numpy(run_ranks(megatron_windowed, 1, str(tmp_path / "meg"),
+                                        daemon=False)[0])
     ckpt = read_megatron(str(tmp_path / "meg"))
     assert ckpt.cfg.window_size == WINDOW[0] + 1
     diffs = {}
