@@ -22,10 +22,18 @@ are timed alternately (warm-up steps for each, then `--rounds` rounds of `--step
 ours then HF) so that load from other processes hits both alike; the reported time per
 step is the median over all timed steps of each.
 
-The last line is exactly `ratio ours/hf: X` (ours tokens/s over HF tokens/s).
+With --compile (the default) each model is timed compiled too, in the same rounds: ours
+as the trainer's --torch-compile compiles it (each block and the loss,
+parallel/compile.py), HF's as an HF user would (`torch.compile(model)`); each compiled
+model is a second copy from the same initial weights, compiled during its warm-up steps
+(each compile logged, not timed). Every row reports the minimum and the median.
+
+The last lines are exactly `ratio ours/hf: X` (ours tokens/s over HF tokens/s, medians),
+then with --compile `ratio ours-compiled/hf: X` and `ratio ours-compiled/hf-compiled: X`.
 
     python benchmarks/single_device.py                         # the full default run
     python benchmarks/single_device.py --layers 2 --seq 128    # a quick one
+    python benchmarks/single_device.py --layers 4 --hidden 384 --seq 256   # the Llama shape
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megaulysses.config import ModelConfig, TrainConfig  # noqa: E402
 from megaulysses.model.attention import select_backend  # noqa: E402
 from megaulysses.model.gpt import build_model, count_parameters  # noqa: E402
+from megaulysses.parallel.compile import apply_compile  # noqa: E402
 from megaulysses.training.optim import build_optimizer  # noqa: E402
 
 # The Llama-style architecture (the ModelConfig defaults are Megatron-LM's GPT-2 style).
@@ -74,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="time both models compiled too (torch.compile; ours: --torch-compile)")
     p.add_argument("--same-init", action=argparse.BooleanOptionalAction, default=True,
                    help="start HF from our initial weights (else HF's own init): the first "
                         "losses must then agree, which checks that both compute the same")
@@ -94,7 +105,7 @@ def resolve(args):
     return device, DTYPES[args.dtype]
 
 
-def build_ours(args, device, dtype):
+def build_ours(args, device, dtype, compiled: bool = False):
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                       ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
                       num_query_groups=args.kv_heads, seq_length=args.seq,
@@ -104,6 +115,8 @@ def build_ours(args, device, dtype):
     backend, core = select_backend(cfg.attention_backend, device, dtype)
     model = build_model(cfg, core, args.seed, device)
     model.train()
+    if compiled:  # as the trainer's --torch-compile: each block and the loss
+        print(apply_compile(model))
     opt = build_optimizer(model, TrainConfig(lr=1e-4, weight_decay=0.1, adam_beta1=0.9,
                                              adam_beta2=0.95, adam_eps=1e-8))
 
@@ -115,7 +128,7 @@ def build_ours(args, device, dtype):
                                  f"AdamW (fused={fused}, no decay on 1-D params)")
 
 
-def build_hf(args, device, dtype):
+def build_hf(args, device, dtype, compiled: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
@@ -131,10 +144,11 @@ def build_hf(args, device, dtype):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                             eps=1e-8)
+    run = torch.compile(model) if compiled else model  # HF's documented way
 
     def loss_fn(inputs, targets):
         # `labels` only switches the loss on; `shift_labels` are the targets used.
-        return model(input_ids=inputs, labels=inputs, shift_labels=targets).loss
+        return run(input_ids=inputs, labels=inputs, shift_labels=targets).loss
 
     impl = getattr(model.config, "_attn_implementation", args.hf_attn)
     return model, opt, loss_fn, f"attn_implementation {impl}, torch.optim.AdamW"
@@ -177,44 +191,32 @@ def timed(step, device):
     return time.perf_counter() - t0, loss
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device, dtype = resolve(args)
-    half = dtype != torch.float32
-    if half:
-        def autocast():
-            return torch.autocast(device.type, dtype=dtype)
-    else:
-        autocast = nullcontext
+def build_runs(args, device, dtype, inputs, targets, autocast) -> dict:
+    """{name: step function}: ours, hf, and with --compile their compiled copies."""
+    variants = [("ours", False), ("hf", False)]
+    if args.compile:
+        variants += [("ours-compiled", True), ("hf-compiled", True)]
+    runs, ours = {}, {}
+    for name, compiled in variants:
+        if name.startswith("ours"):
+            model, opt, loss_fn, desc = build_ours(args, device, dtype, compiled)
+            ours[compiled] = model
+        else:
+            model, opt, loss_fn, desc = build_hf(args, device, dtype, compiled)
+            if args.same_init:
+                copy_weights_to_hf(ours[compiled], model)
+                desc += ", started from our initial weights"
+        print(f"{name}: {count_parameters(model) / 1e6:.2f}M params, {desc}"
+              + (", compiled" if compiled else ""))
+        runs[name] = make_step(opt, loss_fn, inputs, targets, autocast)
+    return runs
 
-    ours, ours_opt, ours_loss, ours_desc = build_ours(args, device, dtype)
-    hf, hf_opt, hf_loss, hf_desc = build_hf(args, device, dtype)
-    if args.same_init:
-        copy_weights_to_hf(ours, hf)
-        hf_desc += ", started from our initial weights"
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
-    inputs = tokens[:, :-1].contiguous().to(device)  # [b, seq]
-    targets = tokens[:, 1:].contiguous().to(device)  # [b, seq]: the next token of each
-    tokens_per_step = args.micro_batch * args.seq
 
-    import transformers
-    print(f"device {device}, dtype {args.dtype}{' (autocast)' if half else ''}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"transformers {transformers.__version__}")
-    print(f"config: layers {args.layers}, hidden {args.hidden}, heads {args.heads}"
-          f"/{args.kv_heads or args.heads} kv, ffn {args.ffn}, vocab {args.vocab}, "
-          f"seq {args.seq}, micro batch {args.micro_batch} "
-          f"({tokens_per_step} tokens/step)")
-    print(f"ours: {count_parameters(ours) / 1e6:.2f}M params, {ours_desc}")
-    print(f"hf:   {count_parameters(hf) / 1e6:.2f}M params, {hf_desc}")
-
-    runs = {"ours": make_step(ours_opt, ours_loss, inputs, targets, autocast),
-            "hf": make_step(hf_opt, hf_loss, inputs, targets, autocast)}
-    times = {name: [] for name in runs}
-    first = {}
+def run_rounds(args, runs: dict, device) -> tuple[dict, dict]:
+    """Warm-up steps of each (the compiled ones compile then), then `--rounds` rounds of
+    `--steps` steps of each in turn. Returns ({name: [s per timed step]}, {name: the first
+    step's loss})."""
+    times, first = {name: [] for name in runs}, {}
     for name, step in runs.items():
         for i in range(args.warmup):
             dt, loss = timed(step, device)
@@ -229,20 +231,59 @@ def main(argv=None):
                 times[name].append(dt)
             line.append(f"{name} {statistics.median(times[name][-args.steps:]):.3f} s/step")
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(line))
+    return times, first
 
-    print(f"initial loss: ours {first['ours']:.6f}, hf {first['hf']:.6f}")
+
+def report(times: dict, first: dict, tokens_per_step: int) -> None:
+    print("initial loss: " + ", ".join(f"{name} {loss:.6f}" for name, loss in first.items()))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    tps = {name: tokens_per_step / med[name] for name in runs}
-    for name in runs:
+    tps = {name: tokens_per_step / med[name] for name in times}
+    for name in times:
         print(f"{name} tokens/s: {tps[name]:.1f}")
     print()
-    print(f"| {'':4} | {'s/step (median)':>15} | {'min':>7} | {'max':>7} | {'tokens/s':>9} |")
-    print(f"|{'-' * 6}|{'-' * 17}|{'-' * 9}|{'-' * 9}|{'-' * 11}|")
+    w = max(len(name) for name in times)
+    print(f"| {'':{w}} | {'s/step (median)':>15} | {'min':>7} | {'max':>7} | {'tokens/s':>9} |")
+    print(f"|{'-' * (w + 2)}|{'-' * 17}|{'-' * 9}|{'-' * 9}|{'-' * 11}|")
     for name, ts in times.items():
-        print(f"| {name:4} | {med[name]:15.3f} | {min(ts):7.3f} | {max(ts):7.3f} "
+        print(f"| {name:{w}} | {med[name]:15.3f} | {min(ts):7.3f} | {max(ts):7.3f} "
               f"| {tps[name]:9.1f} |")
     print()
     print(f"ratio ours/hf: {tps['ours'] / tps['hf']:.2f}")
+    if "ours-compiled" in tps:
+        print(f"ratio ours-compiled/hf: {tps['ours-compiled'] / tps['hf']:.2f}")
+        print(f"ratio ours-compiled/hf-compiled: "
+              f"{tps['ours-compiled'] / tps['hf-compiled']:.2f}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = resolve(args)
+    half = dtype != torch.float32
+    if half:
+        def autocast():
+            return torch.autocast(device.type, dtype=dtype)
+    else:
+        autocast = nullcontext
+
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+    inputs = tokens[:, :-1].contiguous().to(device)  # [b, seq]
+    targets = tokens[:, 1:].contiguous().to(device)  # [b, seq]: the next token of each
+    tokens_per_step = args.micro_batch * args.seq
+
+    import transformers
+    print(f"device {device}, dtype {args.dtype}{' (autocast)' if half else ''}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"transformers {transformers.__version__}")
+    print(f"config: layers {args.layers}, hidden {args.hidden}, heads {args.heads}"
+          f"/{args.kv_heads or args.heads} kv, ffn {args.ffn}, vocab {args.vocab}, "
+          f"seq {args.seq}, micro batch {args.micro_batch} "
+          f"({tokens_per_step} tokens/step)")
+    runs = build_runs(args, device, dtype, inputs, targets, autocast)
+    times, first = run_rounds(args, runs, device)
+    report(times, first, tokens_per_step)
 
 
 if __name__ == "__main__":

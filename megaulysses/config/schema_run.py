@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaulysses.config.fields import Flag, option
+from megaulysses.config.groups import TRAINING
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -154,6 +155,15 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
         "rank exits non-zero naming the rank(s) it lost", kind="number")
+    torch_compile: bool = option(  # ours: Megatron-LM has none (torchtitan: --compile.enable)
+        False, "compile each transformer block and the loss with torch.compile (inductor; "
+        "one compiled code for every block, static shapes). An attention core that cannot "
+        "compile yet (Ulysses, ring, head groups, FPDT, selective recomputation, a mask "
+        "other than causal, attention dropout) runs eagerly between the graphs of the rest "
+        "of the block; zero-bubble, and the distributed optimizer's gradient-accumulation "
+        "fusion or --overlap-param-gather, run the model eagerly. The start-up log says "
+        "what compiled, then the first step's compile time",
+        action="store_true", group=TRAINING)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,16 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
+        qkv = [q, k, v]  # handed over: see `attend`
+        del q, k, v
+        y = self.attend(qkv, mask)  # [b, s, hq, d]
+        return self.out(y.reshape(b, s, -1))  # [b, s, h]
+
+    def attend(self, qkv: list[torch.Tensor],
+               mask: Optional[AttentionMask] = None) -> torch.Tensor:
+        """The attention core on `qkv` = [q, k, v] (emptied), with this call's dropout:
+        `[b, s, hq, d]`. One method, so that --torch-compile can run it eagerly between the
+        attention's two graphs where the core cannot be traced (parallel/compile.py)."""
         dropout = 0.0
         if self.training and self.dropout:  # one key per call: every core, and a
             # recomputation, draws this call's masks (model/attention/dropout.py)
@@ -73,12 +83,10 @@ class SelfAttention(nn.Module):
         if getattr(self.core, "takes_qkv", False):  # Ulysses, head groups: handed over, so
             # the core frees each sequence-sharded tensor once it has sent it (no other
             # reference here) instead of holding it beside its whole-sequence copy
-            qkv = [q, k, v]
-            del q, k, v
-            y = self.core.take(qkv, dropout, mask)  # [b, s, hq, d]
-        else:
-            y = self.core(q, k, v, dropout, mask)  # [b, s, hq, d]
-        return self.out(y.reshape(b, s, -1))  # [b, s, h]
+            return self.core.take(qkv, dropout, mask)  # [b, s, hq, d]
+        q, k, v = qkv
+        qkv.clear()
+        return self.core(q, k, v, dropout, mask)  # [b, s, hq, d]
 
 
 class Block(nn.Module):
@@ -99,6 +107,11 @@ class Block(nn.Module):
                 mask: Optional[AttentionMask] = None) -> torch.Tensor:
         # x [b, s, h]; rotary: (cos, sin) [b, s, 1, d/2] or None
         a = self.attn(self.attn_norm(x), rotary, mask)
+        return self.after_attention(x, a)
+
+    def after_attention(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The residual adds around the MLP, given the attention's output `a`: `[b, s, h]`.
+        (--torch-compile compiles it alone where the attention runs eagerly.)"""
         x = x + F.dropout(a, self.dropout, self.training)
         return x + F.dropout(self.mlp_part(x), self.dropout, self.training)
 

@@ -18,6 +18,8 @@ Imports nothing distributed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -56,6 +58,10 @@ class TiledMLP:
         # are restored for the recompute, and it nests inside full recomputation (which
         # turns early stopping off around it: recompute.py). A chunk's own recomputation
         # does stop early, at fc2's input: its output collective is never issued again.
-        with set_checkpoint_early_stop(True):
+        # Compiled (--torch-compile), each checkpoint marks its chunk for recomputation in
+        # the block's graph, which recomputes what backward needs, no more: no early stop.
+        stop = (contextlib.nullcontext() if torch.compiler.is_compiling()
+                else set_checkpoint_early_stop(True))
+        with stop:
             return torch.cat([checkpoint(self._one, p, use_reentrant=False)
                               for p in pieces], dim=1)

@@ -12,7 +12,9 @@ The transforms, always in this order (each module's docstring says what its step
                         between two all-to-alls over sp (sp > 1)
     4. recomputation    recompute.apply_recompute (--recompute-*), then
                         tiling.apply_tiled_mlp (--tiled-mlp-chunks), then
-                        head_groups.apply_head_groups (--attention-head-groups)
+                        head_groups.apply_head_groups (--attention-head-groups), then
+                        compile.apply_compile (--torch-compile): each block's forward
+                        and the loss through torch.compile
     5. ZeRO-2/3         zero.shard_blocks, zero.shard_root: FSDP2 over dp x sp, per block
                         and per root (the model, or each pipeline stage)
     6. materialize      to_empty: a rank allocates its own shards only
@@ -22,9 +24,12 @@ The transforms, always in this order (each module's docstring says what its step
 The pipeline split comes first so that nothing of another stage is ever sharded or
 allocated; tensor parallelism before ZeRO, which shards the tp shards over dp x sp (2-D);
 Ulysses wraps the attention core and selective recomputation wraps the core inside it, so
-the all-to-alls are not repeated; everything is decided on the meta device, so
-materializing allocates shards only, and initializing writes each rank's pieces of the
-values one whole model would get (every grid starts from the same model).
+the all-to-alls are not repeated; compiling comes after every transform that changes what
+a block runs (it decides from the final core what it can trace) and before FSDP2, whose
+hooks run eagerly around the compiled forward (torchtitan's order too); everything is
+decided on the meta device, so materializing allocates shards only, and initializing
+writes each rank's pieces of the values one whole model would get (every grid starts from
+the same model).
 
 Then the pipeline schedule is built over the stages (pp > 1), and `Zero` (gradient
 reduction over dp x sp and the optimizer at the ZeRO stage in effect).
@@ -32,6 +37,7 @@ reduction over dp x sp and the optimizer at the ZeRO stage in effect).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -44,6 +50,7 @@ from megaulysses.config import RunConfig
 from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
+from megaulysses.parallel.compile import apply_compile, compile_blocker
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dist_opt import (DistributedOptimizer, fuses_weight_gradients,
                                           grad_buffer_dtype)
@@ -57,6 +64,8 @@ from megaulysses.parallel.tensor import align_grads, apply_tensor_parallel
 from megaulysses.parallel.fpdt import apply_fpdt
 from megaulysses.parallel.ulysses import apply_ulysses
 from megaulysses.parallel.zero import Zero
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,6 +105,11 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
                     offload_layers=mem.cpu_offloading_num_layers)
     apply_tiled_mlp(model, mem.tiled_mlp_chunks)
     apply_head_groups(model, mem.attention_head_groups)  # after both: unwraps selective's
+    if par.torch_compile:  # 4b
+        blocker = compile_blocker(cfg, dtype, zero_stage)
+        log.info("%s", apply_compile(model, cfg.data.reset_attention_mask, blocker,
+                                     dims.tp > 1))
+        comm.compiled = blocker is None  # DTensor's collectives uncounted (tensor.py)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     if zero_stage >= 2:  # 5
         mp = zero_mod.mixed_precision(dtype, reduce_dtype)

@@ -246,9 +246,11 @@ def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: i
 
 def step_context(comm: Comm) -> contextlib.ExitStack:
     """Forward and backward of a step run inside this. Under tensor parallelism it counts
-    DTensor's collectives in `comm.stats`; otherwise it does nothing."""
+    DTensor's collectives in `comm.stats`; otherwise it does nothing. Not with compiled
+    blocks (`comm.compiled`, parallel/compile.py): dynamo compiles nothing inside a
+    dispatch mode, so they go uncounted."""
     stack = contextlib.ExitStack()
-    if comm.size(TP) > 1:
+    if comm.size(TP) > 1 and not getattr(comm, "compiled", False):
         stack.enter_context(comm.counting_dtensor_collectives())
     return stack
 

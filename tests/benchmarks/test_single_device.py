@@ -1,6 +1,8 @@
 """Smoke test of benchmarks/single_device.py: a tiny run end to end, output format only.
 
-No speed is asserted (wall-clock numbers on a shared machine are not test material).
+No speed is asserted (wall-clock numbers on a shared machine are not test material). The
+compiled variants are left out (--no-compile): compiling both models costs ~30 s here;
+tests/parallel/test_compile.py tests our compiled step.
 """
 
 import os
@@ -12,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "benchmarks", "single_device.py")
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
         "--vocab", "256", "--seq", "32", "--micro-batch", "2", "--warmup", "1", "--rounds", "1",
-        "--steps", "1", "--device", "cpu", "--threads", "1"]
+        "--steps", "1", "--device", "cpu", "--threads", "1", "--no-compile"]
 
 
 def test_tiny_run_prints_table_and_ratio():

@@ -87,7 +87,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         sums = torch.empty_like(tops)  # [T] sums of exp(logits - top)
         losses = torch.empty_like(tops)  # [T]
         # Outside saved_tensors: the first backward consumes it in place, later ones recompute.
-        ctx.kept = []
+        # Compiled (--torch-compile) it is a saved tensor instead: dynamo traces no state
+        # kept on ctx, and the compiled backward is functional (nothing is consumed).
+        ctx.kept, saved = [], []
+        compiling = torch.compiler.is_compiling()
         for i in range(0, n, rows):
             c = slice(i, i + rows)
             logits = _matmul_t(x[c], weight).float()  # [c, V]
@@ -100,18 +103,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stats = torch.stack((exps.sum(dim=1), picked))  # [2, c]: one collective for both
             if shard is not None:
                 shard.reduce_sum(stats)
-            if n <= rows and any(ctx.needs_input_grad[:2]):
-                ctx.kept.append(exps)  # [T, V]: bitwise what backward would recompute
+            if n <= rows and any(ctx.needs_input_grad[:2]):  # [T, V]: bitwise what
+                (saved if compiling else ctx.kept).append(exps)  # backward would recompute
             tops[c], sums[c] = top, stats[0]
             torch.sub(stats[0].log().add_(top), stats[1], out=losses[c])  # lse - picked
         losses.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(x, weight, target, owned, valid, tops, sums)
+        ctx.save_for_backward(x, weight, target, owned, valid, tops, sums, *saved)
         ctx.rows, ctx.shard = rows, shard
         return losses
 
     @staticmethod
     def backward(ctx, grad):  # grad [T]
-        x, weight, target, owned, valid, tops, sums = ctx.saved_tensors
+        x, weight, target, owned, valid, tops, sums, *saved = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
         shard = ctx.shard
         g = (grad.float() * valid).unsqueeze(1)  # [T, 1]; ignored rows get no gradient
@@ -123,9 +126,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dwt = x.new_zeros(weight.shape[::-1], dtype=torch.float32) if need_dw else None
         for i in range(0, x.shape[0], ctx.rows):
             c = slice(i, i + ctx.rows)
-            exps = ctx.kept.pop() if ctx.kept else _exps(x[c], weight, tops[c])  # [c, V]
-            # (softmax - one_hot) * grad, in place
-            dlogits = exps.mul_(scale[c]).scatter_add_(1, target[c], minus_g[c]).to(x.dtype)
+            if saved:  # compiled: the kept exps, left as they are for a later backward
+                exps = saved.pop() * scale[c]  # [c, V]
+            else:  # the kept exps consumed (the first backward), or recomputed; in place
+                exps = ctx.kept.pop() if ctx.kept else _exps(x[c], weight, tops[c])
+                exps = exps.mul_(scale[c])
+            # (softmax - one_hot) * grad
+            dlogits = exps.scatter_add_(1, target[c], minus_g[c]).to(x.dtype)
             if need_dx:
                 dx[c] = _matmul_t(dlogits, weight.t())  # dlogits @ W: [c, h]
             if need_dw:

@@ -2,6 +2,11 @@
 and backward, an explicit `torch.autograd.Function`) run by oneDNN instead of MKL, 2x on
 AMD CPUs; `ONEDNN_LINEAR` says whether this torch build has it (tests switch it off).
 Otherwise (CUDA, 16-bit, tensor subclasses, autocast) `linear` is F.linear itself.
+
+Compiled (--torch-compile) the same oneDNN kernel runs, through `onednn_linear`, a custom
+op inductor calls as it is: inductor's own lowering of `mkldnn._linear_pointwise` is for
+frozen inference weights (it asserts on trainable ones), and without it inductor would
+give the matmuls to MKL.
 """
 
 from __future__ import annotations
@@ -25,10 +30,28 @@ def _has_onednn_linear() -> bool:
 ONEDNN_LINEAR = _has_onednn_linear()
 
 
+@torch.library.custom_op("megaulysses::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) `[T, out]` by oneDNN, an op compiled code calls as it is."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _pointwise(x, weight, bias=None):  # x [T, in], weight [out, in] -> [T, out]
+    if torch.compiler.is_compiling():
+        return onednn_linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def _onednn(a, b):
     """a @ b.T for 2-D fp32 CPU tensors. b may be any strided view (b = W.t() is free);
     a non-contiguous `a` is copied first."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return _pointwise(a, b)
 
 
 def _onednn_weight_grad(dy, x):
@@ -57,7 +80,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):  # x [T, in], weight [out, in]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [T, out]
+        return _pointwise(x, weight, bias)  # [T, out]
 
     @staticmethod
     def backward(ctx, dy):  # dy [T, out]
