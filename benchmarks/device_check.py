@@ -25,11 +25,15 @@ fails, runs out of memory or runs out of time leaves the next one a clean device
                 padded vocabulary, sdpa attention, gradient checkpointing, fused AdamW,
                 bf16 autocast over fp32 weights like ours) at the sequence (c) reached;
                 the ratio ours/hf of tokens/s.
+    8b          (f) Llama-3-8B's shape (4 of its 32 layers by default) on one GPU at 8K and
+                32K tokens, eager and --torch-compile: tokens/s, MFU, compiled/eager,
+                peak memory, compile time, beside torchtitan's published per-GPU figures
+                (benchmarks/device_check_8b.py says what and how).
     report      device_check.json and device_check.md in OUT_DIR from the parts' JSON
                 files and the shell's parts.tsv (part, exit status, seconds, limit).
 
-`--cpu-smoke` runs parity, throughput and hf tiny on the CPU (the "device" side is CPU
-bf16 autocast) and then the report, so every code path runs without a GPU.
+`--cpu-smoke` runs parity, throughput, hf and 8b tiny on the CPU (the "device" side is CPU
+bf16 autocast; 8b eagerly only) and then the report, so their code paths run without a GPU.
 
     python benchmarks/device_check.py parity --out /tmp/dc
     python benchmarks/device_check.py --cpu-smoke --out /tmp/dc_smoke
@@ -57,8 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2 ** 30
 LOSS_RTOL = 1e-2  # bf16 keeps 8 significant bits (2^-8 = 0.4%); a first loss ~ ln(vocab)
 GRAD_NORM_RTOL = 5e-2  # gradients go through every bf16 matmul of forward and backward
-PARTS = ("parity", "throughput", "hf")
-LETTER = {"pytest": "a", "parity": "b", "throughput": "c", "hf": "d"}
+PARTS = ("parity", "throughput", "hf", "8b")
+LETTER = {"pytest": "a", "parity": "b", "throughput": "c", "hf": "d", "8b": "f"}
 
 # (c)'s model: the paper's 1.2B, Llama style.
 BIG = dict(layers=24, hidden=2048, heads=16, ffn=5504, vocab=50257, seq=32768)
@@ -78,11 +82,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None,
                    help="(c)/(d): the first sequence length to try; default 32768 "
                         "((d): the one (c) reached)")
-    p.add_argument("--steps", type=int, default=3, help="(c)/(d): timed steps after 1 warm-up")
+    p.add_argument("--steps", type=int, default=3,
+                   help="(c)/(d)/(f): timed steps after the warm-up (1; (f): 2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="(f): layers of the 8B shape; default: the first of 4, 2 whose "
+                        "memory plan at 32K fits the GPU")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     if args.part is None and not args.cpu_smoke:
         p.error("name a part, or pass --cpu-smoke")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers: at least 1")
     if args.out is None:
         args.out = (os.path.join(os.environ["OUT"], "device_check") if os.environ.get("OUT")
                     else "device_check_out")
@@ -400,6 +410,13 @@ def part_hf(args) -> dict:
                 error="no sequence length fitted")
 
 
+# -- (f) Llama-3-8B's shape, eager and compiled -----------------------------------------
+
+def part_8b(args) -> dict:
+    from device_check_8b import run_8b  # this script's folder: sys.path[0]
+    return run_8b(args, model_flags, _peak_tflops)
+
+
 # -- the report ------------------------------------------------------------------------------
 
 def _read(out: str, name: str):
@@ -496,7 +513,10 @@ def _markdown(parts: dict) -> str:
         f"LlamaForCausalLM seq {d['seq']}, {d['attn_implementation']}, grad checkpointing: "
         f"{d['tokens_per_s']:.0f} tokens/s; ratio ours/hf "
         f"{_fmt(d.get('ratio_ours_over_hf'), '.2f')}") if "tokens_per_s" in d else _why(d)))
-    return "\n".join(rows) + "\n"
+    from device_check_8b import report_row, report_section
+    f = parts["8b"]
+    rows.append(row("8b", f, report_row(f) or _why(f)))
+    return "\n".join(rows + report_section(f)) + "\n"
 
 
 def _why(rec: dict) -> str:
@@ -510,7 +530,8 @@ def _why(rec: dict) -> str:
 
 # -- main ------------------------------------------------------------------------------------
 
-RUNNERS = {"parity": part_parity, "throughput": part_throughput, "hf": part_hf}
+RUNNERS = {"parity": part_parity, "throughput": part_throughput, "hf": part_hf,
+           "8b": part_8b}
 
 
 def run_part(args, name: str) -> int:

@@ -6,7 +6,8 @@ The others are CPU tests of the check itself: the shell script on a machine with
 (everything skipped, exit 0, the report written); its refusals (nvidia-smi lists a GPU
 torch cannot see: exit 3; a needed package missing: exit 2); python3 where there is no
 python; its time budget; its kernel snippets (part (e)) parse, the ring one runs on the
-CPU; `--help`, and `--cpu-smoke` (parts (b)-(d) tiny on the CPU, so their code runs here).
+CPU; `--help`, and `--cpu-smoke` (parts (b)-(d) and (f) tiny on the CPU, (f) eagerly, so
+their code runs here); the report of a finished GPU run of (f) (its JSON as written there).
 """
 
 import ast
@@ -134,7 +135,7 @@ def test_shell_script_without_cuda_skips_and_exits_0(tmp_path):
     r = _run(["bash", os.path.join(REPO, "benchmarks", "device_check.sh"), str(out)],
              timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "no CUDA device: parts (b)-(e) skipped" in r.stdout
+    assert "no CUDA device: parts (b)-(f) skipped" in r.stdout
     assert "needs: torch, pytest, numpy: found" in r.stdout
     assert "optional: flash_attn: " in r.stdout  # found or not, it is reported
     tsv = (out / "parts.tsv").read_text()
@@ -145,13 +146,13 @@ def test_shell_script_without_cuda_skips_and_exits_0(tmp_path):
     assert result["ok"]
     assert parts["pytest"]["status"] == "ok" and "skipped" in parts["pytest"]["summary"]
     assert "passed" not in parts["pytest"]["summary"]  # every cuda test skipped here
-    for name in ("parity", "throughput", "hf"):
+    for name in ("parity", "throughput", "hf", "8b"):
         assert parts[name]["status"] == "skipped"
     md = (out / "device_check.md").read_text()
-    assert "| (c) throughput | skipped |" in md
+    assert "| (c) throughput | skipped |" in md and "| (f) 8b | skipped |" in md
 
 
-def test_cpu_smoke_runs_parts_b_to_d(tmp_path):
+def test_cpu_smoke_runs_parts_b_to_d_and_f(tmp_path):
     out = tmp_path / "smoke"
     r = _run([sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out)], timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -163,7 +164,56 @@ def test_cpu_smoke_runs_parts_b_to_d(tmp_path):
     assert c["plan_peak_gib"] > 0 and c["params"] == d["params"]  # the same shape
     if d["status"] != "skipped":  # transformers installed
         assert d["status"] == "ok" and d["ratio_ours_over_hf"] > 0
-    assert "(b) parity | ok" in (out / "device_check.md").read_text()
+    f = parts["8b"]  # the 8B part's code path, eagerly: 2 of the tiny shape's 4 layers
+    assert f["status"] == "ok" and f["layers"] == 2 and f["layers_of"] == 4
+    eager = [r for r in f["runs"] if not r["compiled"]]
+    assert [r["seq"] for r in eager] == [64, 128]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in eager)
+    assert all(r["status"] == "skipped" for r in f["runs"] if r["compiled"])
+    assert f["kernels_line"].startswith("kernels (cpu):")
+    md = (out / "device_check.md").read_text()
+    assert "(b) parity | ok" in md and "| (f) 8b | ok |" in md
+    assert "| torchtitan, FSDP 8, local batch 2, selective op AC, bf16 | 8192 | 5,762" in md
+
+
+def test_report_of_a_stopped_8b_part_keeps_its_finished_runs(tmp_path):
+    """(f) on a GPU, stopped by its time limit after three of its four runs: the report
+    keeps their figures (compiled/eager at 8K, the compile time the trainer logged) with
+    torchtitan's beside. The runs are (f)'s own records, step times made up."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import device_check
+    import device_check_8b as f8
+    four = dict(f8.LLAMA3_8B, layers=4)
+    rec = f8.new_record("NVIDIA H100 80GB HBM3", f8.LLAMA3_8B, f8.SEQS, 4,
+                        [dict(layers=4, seq=32768, plan_gib=32.3)],
+                        (989.4, "GPU_PEAKS['H100'] (bf16 dense)"), 80 * 2 ** 30)
+    for seq, compiled, step_s in ((8192, False, 0.25), (8192, True, 0.2), (32768, True, 1.1)):
+        run = dict(seq=seq, compiled=compiled, status="ok", step_s=step_s, plan_peak_gib=30.0,
+                   measured_peak_gib=31.5,
+                   model_flop_per_step=f8.whole_model_flop_per_token(four, seq) * seq)
+        if compiled:
+            run.update(f8._logged(["--torch-compile: 4 transformer blocks compiled whole",
+                                   "--torch-compile: 4 compilations in 52.5 s (the first "
+                                   "forward and backward)", "kernels (cuda): AdamW fused"]))
+        run.update(f8._rates(run, f8.LLAMA3_8B, seq, 989.4))
+        rec["runs"].append(run)
+        rec.update(f8.summarize(rec))
+    f8._save(str(tmp_path), rec)
+    (tmp_path / "parts.tsv").write_text("8b\t124\t135\t135\n")
+    f = device_check.report(str(tmp_path))["parts"]["8b"]
+    assert f["status"] == "timeout" and len(f["runs"]) == 3
+    at_8k, at_32k = f["summary"]
+    assert at_8k["ratio_compiled_over_eager"] == pytest.approx(1.25)
+    assert at_8k["compile_s"] == 52.5 and "ratio_compiled_over_eager" not in at_32k
+    assert f["runs"][1]["mfu"] == pytest.approx(8192 * f8.whole_model_flop_per_token(four, 8192)
+                                                / 0.2 / 989.4e12)
+    # torchtitan's 8K bf16 rows by our count: the 33% and 39% MFU torchtitan states
+    assert [round(100 * t["mfu"], 1) for t in f["torchtitan"][:2]] == [33.7, 39.0]
+    md = (tmp_path / "device_check.md").read_text()
+    assert "| (f) 8b | timeout | 135 | 4 of Llama-3-8B's 32 layers" in md
+    assert "8192: eager 32,768 / compiled 40,960 tokens/s (x1.25)" in md
+    assert "| ours, --torch-compile | 32768 | 29,789 |" in md and "| 52 |" in md
+    assert "kernels (cuda): AdamW fused" in md and "llama3_h100_202412_torchtitan.md" in md
 
 
 def _bin(tmp_path, **scripts) -> str:
@@ -219,7 +269,7 @@ def test_the_budget_fits_8_minutes():
     fit DC_TOTAL, and DC_TOTAL fits 8 minutes."""
     text = open(SHELL).read()
     limits = [int(n) for n in re.findall(r"\$\{DC_LIMIT_\w+:-(\d+)\}", text)]
-    assert len(limits) == 7  # pytest, ring, flex, flash, parity, throughput, hf
+    assert len(limits) == 8  # pytest, ring, flex, flash, parity, throughput, hf, 8b
     total = _default("DC_TOTAL", text)
     assert sum(limits) + 20 + 20 <= total <= 480
 
