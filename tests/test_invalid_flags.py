@@ -705,6 +705,7 @@ ALONE = {
     "--generate-prompt": ["ROMEO:"],
     "--generate-temperature": ["1.0"],
     "--generate-top-k": ["0"],
+    "--torch-compile": [],  # issue 43: compiled blocks
     # parallelism: validated on the smallest world that holds the grid
     "--tensor-model-parallel-size": ["2"],
     "--sequence-parallel": [],
