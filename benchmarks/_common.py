@@ -4,7 +4,9 @@
 (127.0.0.1, one torch thread each) and returns the results in rank order. `fn` must be a
 module-level function of the script (spawn pickles it by name) and return plain Python
 values. A rank that fails raises here with its traceback; a hang raises after `timeout`
-seconds. `table(header, rows)` formats a Markdown table.
+seconds. `preload=[module, ...]`: the ranks are forked from a forkserver that imported
+those once (spawned ranks import everything each, seconds per rank). `table(header,
+rows)` formats a Markdown table.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(fn, P: int, *args, timeout: float = 3600.0) -> list:
-    ctx = mp.get_context("spawn")
+def launch(fn, P: int, *args, timeout: float = 3600.0, preload: list | None = None) -> list:
+    ctx = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        ctx.set_forkserver_preload(preload)  # read when the server starts (the first call)
     out_queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, P, port, fn, args, out_queue), daemon=True)

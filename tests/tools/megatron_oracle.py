@@ -26,6 +26,9 @@ CPU workarounds (each one also commented where it is applied):
   ``bias_dropout_fusion``, ``masked_softmax_fusion``, ``apply_rope_fusion``,
   ``persist_layer_norm``: they need CUDA kernels / Apex / TE) except the bias-GeLU fusion
   (Megatron-LM's default; a torch function, run eagerly: ``torch._dynamo`` is disabled).
+* ``perform_initialization=False`` also skips the tensor-parallel marks of the tp layers'
+  weights (megatron-core 0.16.1; the optimizer's gradient norm needs them): set after the
+  model is built, as later Megatron-LM does.
 * Tied embeddings with pp > 1: ``LanguageModule.setup_embeddings_and_output_layer`` does
   ``weight.data.cuda()`` before the first/last stage all-reduce; it is skipped while the model
   is built (patched ``_is_in_embd_group`` -> False); :func:`randomize_` writes the same
@@ -73,6 +76,12 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.random import initialize_rng_tracker
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -279,9 +288,23 @@ def build_model(style: str, seed: int = DEFAULT_SEED, gelu_fusion: bool = True,
             rotary_base=ROTARY_BASE,
         )
     _keep_rotary_on_cpu(model)
+    _mark_tensor_parallel_weights(model)
     model.eval()
     randomize_(model, seed)
     return model
+
+
+def _mark_tensor_parallel_weights(model: GPTModel) -> None:
+    """megatron-core 0.16.1 sets a tp layer weight's ``tensor_model_parallel`` mark only in
+    its own initialization, skipped under ``perform_initialization=False``; unmarked, the
+    optimizer's gradient norm counts those shards on tp rank 0 only (as replicated
+    duplicates). Megatron-LM a72c0278e6 (#4084) marks them either way; so does this."""
+    for module in model.modules():
+        dim = {VocabParallelEmbedding: 0, ColumnParallelLinear: 0, RowParallelLinear: 1}.get(
+            type(module))
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "partition_dim"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 # --------------------------------------------------------------------------- randomization
