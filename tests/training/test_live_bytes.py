@@ -235,4 +235,9 @@ def test_two_gloo_ranks_collectives_dtensor_fsdp():
             assert current == (4 * 64 + 1) * F32
             assert peak >= full  # a gathered weight, its all-gather buffer
             assert out[f"backward{step}"] == F32 + 2 * full // 2
-        assert out["forward0"] == out["forward1"]
+        # step 2 re-allocates FSDP's buffers with resize_ and the tracker still sees
+        # them; the peaks may differ by one [4, 64] activation: whether autograd or
+        # gloo's worker thread lets go of one a moment before the next all-gather
+        # lands (CI saw 51200 vs 50176 bytes once)
+        (_, peak0), (_, peak1) = out["forward0"], out["forward1"]
+        assert abs(peak0 - peak1) <= 4 * 64 * F32, (peak0, peak1)
