@@ -238,7 +238,7 @@ def build_ours(o: dict, world: int, ckpt_dir: str, compiled: bool) -> Callable[[
     align = None
     if world > 1:
         apply_tensor_parallel(model, comm.mesh(TP), o["sequence_parallel"], comm)
-        align = lambda p: align_grads([p], comm.mesh(TP))  # noqa: E731
+        align = lambda params: align_grads(params, comm)  # noqa: E731
     if compiled:
         with torch._dynamo.config.patch(disable=False):
             apply_compile(model, tensor_parallel=world > 1)

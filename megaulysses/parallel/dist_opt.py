@@ -144,7 +144,7 @@ class DistributedOptimizer(ShardedAdamW):
     def __init__(self, groups: list[dict], comm: Comm, dtype: torch.dtype,
                  grad_dtype: torch.dtype, bucket_bytes: int,
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
-                 align: Optional[Callable[[torch.Tensor], None]] = None,
+                 align: Optional[Callable[[list], None]] = None,
                  offload: Optional[float] = None, overlap: bool = False):
         """`offload`: --optimizer-offload-fraction under --optimizer-cpu-offload (None:
         nothing on the host); `overlap`: --overlap-cpu-optimizer-d2h-h2d. `attach` makes
@@ -187,7 +187,7 @@ class DistributedOptimizer(ShardedAdamW):
         if self.pending:  # a weight no forward used: its bucket's gather ends here
             self.wait_all()
         if self.align is not None:
-            self.align(p)
+            self.align([p])
         bucket = self.bucket_of[p]
         _scatter_add(bucket.by_rank(p, self.shards[p]), _local(p.grad).reshape(-1))
         p.grad = None

@@ -88,12 +88,12 @@ class GradReducer:
     `shards={param: RowShard}`: reduce-scatter; rank r receives the sums of its rows of
     every parameter in `shard_grads` (ZeRO stage 1); `.grad` is freed once packed.
     `reduce_dtype`: the dtype on the wire (the sums come back in the gradients' dtype).
-    `align(p)`: puts `p.grad` in its parameter's layout (tensor parallel) before packing.
+    `align([p])`: puts `p.grad` in its parameter's layout (tensor parallel) before packing.
     """
 
     def __init__(self, params: list, comm: Comm, dim: str, bucket_mb: float = BUCKET_MB,
                  shards: dict | None = None, reduce_dtype: torch.dtype | None = None,
-                 align: Optional[Callable[[torch.Tensor], None]] = None):
+                 align: Optional[Callable[[list], None]] = None):
         self.comm, self.dim = comm, dim
         self.shards, self.reduce_dtype, self.align = shards, reduce_dtype, align
         self.buckets = _make_buckets([p for p in params if p.requires_grad], bucket_mb)
@@ -113,7 +113,7 @@ class GradReducer:
     def _on_grad(self, p):
         if self.armed:
             if self.align is not None:
-                self.align(p)
+                self.align([p])
             i = self.where[id(p)]
             self.ready[i] += 1
             if self.ready[i] == len(self.buckets[i]):
@@ -139,9 +139,9 @@ class GradReducer:
             if i not in self.launched:
                 for q in bucket:
                     if q.grad is None:
-                        q.grad = torch.zeros_like(q)
-                    elif self.align is not None:
-                        self.align(q)
+                        q.grad = torch.zeros_like(q)  # already in q's layout
+                if self.align is not None:
+                    self.align(bucket)
                 self._launch(i)
         for i, (flat, work) in self.launched.items():
             if work is not None:

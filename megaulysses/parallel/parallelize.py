@@ -202,8 +202,7 @@ def _build_zero(model, comm: Comm, stage: int, pipeline: Optional[Pipeline], red
     roots = [model] if pipeline is None else [s.submod for s in pipeline.stages]
     align = None
     if comm.size(TP) > 1:
-        tp_mesh = comm.mesh(TP)
-        align = lambda p: align_grads([p], tp_mesh)  # noqa: E731
+        align = lambda params: align_grads(params, comm)  # noqa: E731
     own = None
     if dist_opt is not None:
         own = DistributedOptimizer(groups, comm, dist_opt, buffer or reduce_dtype,

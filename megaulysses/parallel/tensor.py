@@ -255,12 +255,31 @@ def step_context(comm: Comm) -> contextlib.ExitStack:
     return stack
 
 
-def align_grads(params: Iterable[nn.Parameter], tp_mesh: DeviceMesh) -> None:
+def align_grads(params: Iterable[nn.Parameter], comm: Comm) -> None:
     """Each gradient in its parameter's layout. Replicated parameters fed by sequence
-    shards (norms under SP) get Partial sums: all-reduced here. Sharded parameters can get
-    a replicated gradient (DTensor's vocab-parallel embedding backward): this rank keeps
-    its shard, no communication."""
+    shards (norms under SP) get Partial sums: all-reduced here, all of them in one flat
+    all-reduce per dtype over TP (as Megatron-LM's finalize_model_grads does; one per norm
+    weight cost 4x the time on gloo). Sharded parameters can get a replicated gradient
+    (DTensor's vocab-parallel embedding backward): this rank keeps its shard, no
+    communication."""
+    partial: dict[torch.dtype, list] = {}
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-            p.grad = g.redistribute(tp_mesh, p.placements)
+        if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
+            continue
+        if _sums_to_replicate(g.placements, p.placements):
+            partial.setdefault(g.dtype, []).append(p)
+        else:
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+    for group in partial.values():
+        local = [p.grad.to_local() for p in group]
+        flat = torch.cat([t.reshape(-1) for t in local])  # [sum of numels]
+        comm.all_reduce_sum(flat, TP)
+        for p, t, part in zip(group, local, flat.split([t.numel() for t in local])):
+            t.copy_(part.view_as(t))
+            p.grad = DTensor.from_local(t, p.grad.device_mesh, p.placements, run_check=False)
+
+
+def _sums_to_replicate(have: tuple, want: tuple) -> bool:
+    return (all(isinstance(x, Partial) and x.reduce_op == "sum" for x in have)
+            and all(isinstance(x, Replicate) for x in want))

@@ -223,7 +223,7 @@ class Zero:
     def __init__(self, model: nn.Module, comm: Comm, stage: int, groups: list[dict],
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
                  reduce_dtype: torch.dtype, fsdp_roots: list,
-                 align: Optional[Callable[[torch.Tensor], None]] = None,
+                 align: Optional[Callable[[list], None]] = None,
                  optimizer: Optional[ShardedAdamW] = None, bucket_mb: float = BUCKET_MB):
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
@@ -268,9 +268,7 @@ class Zero:
             self._reduces.finish()
             self.observe()  # the reduced gradients exist beside the buffers now
         elif self.stage <= 1 and self.align is not None:
-            for p in self.params:
-                if p.grad is not None:
-                    self.align(p)
+            self.align([p for p in self.params if p.grad is not None])
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor:
         if self.own is not None or (self.stage == 1 and self.reducer is not None):

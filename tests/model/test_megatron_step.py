@@ -121,7 +121,7 @@ def our_side(case, out_dir, comm, fp32=False):
         with torch.autocast("cpu", dtype=DTYPES[dtype], enabled=not fp32 and dtype != "fp32"):
             losses = model(TOKENS[:, :-1], labels=TOKENS[:, 1:])  # [b, s]
         losses.float().mean().backward()
-    align_grads(model.parameters(), comm.mesh(TP))
+    align_grads(model.parameters(), comm)
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
              for n, p in model.named_parameters()}
     return losses.detach().float(), grads
