@@ -5,8 +5,12 @@ backend and the same mask.
 Grids (8 gloo ranks, one spawn for all of them): Ulysses sp4, ring cp4 (with selective
 recomputation), hybrid sp2 x cp2, tp2 x sp2 x cp2 (Megatron-SP in tp, full recomputation),
 and sp2 x cp4 (sequence degree 8 with 2 kv heads, ZeRO-3); packed documents also on
-pp2 x sp2 x cp2; the plain causal mask only on the last two of those (CAUSAL_ELSEWHERE). A GQA model (8 heads, 2 kv heads), fp32, on a dataset of
-short documents (several per sample) written here in Megatron's format.
+pp2 x sp2 x cp2. Left to tests elsewhere (ELSEWHERE): the plain causal mask on the
+three sequence grids (test_ulysses.py, test_ring.py, test_dtype_matrix.py); the window
+and bigbird masks on ring cp4 and sp2 x cp2, which test_ring.py checks at the attention
+core, forward and backward; the fixed layout on tp2 x sp2 x cp2 (bigbird's code path
+there). A GQA model (8 heads, 2 kv heads), fp32, on a dataset of short documents
+(several per sample) written here in Megatron's format.
 """
 
 import numpy as np
@@ -45,11 +49,12 @@ GRIDS = {  # every one on 8 ranks (dp fills the rest); recomputation changes no 
 }
 EXTRA = {("documents", "pp2-sp2-cp2"): ["--pipeline-model-parallel-size", "2", SP, "2",
                                           CP, "2"]}
-# The plain causal mask on the simple sequence grids is test_ulysses.py's, test_ring.py's and
-# test_dtype_matrix.py's (sp2 x cp2): here only on the two composite grids.
-CAUSAL_ELSEWHERE = ("sp4", "cp4-selective", "sp2-cp2")
+# (mask, grid) pairs other tests check, as the module doc says
+ELSEWHERE = ({("causal", g) for g in ("sp4", "cp4-selective", "sp2-cp2")}
+             | {(m, g) for m in ("window", "bigbird") for g in ("cp4-selective", "sp2-cp2")}
+             | {("fixed", "tp2-sp2-cp2-megatron-sp-full")})
 CASES = [(mask, grid, flags) for mask in MASKS for grid, flags in GRIDS.items()
-         if not (mask == "causal" and grid in CAUSAL_ELSEWHERE)] + [
+         if (mask, grid) not in ELSEWHERE] + [
     (mask, grid, flags) for (mask, grid), flags in EXTRA.items()]
 
 

@@ -2,8 +2,10 @@
 trains like one process in that dtype.
 
 {fp32, bf16, fp16, bf16 with --fp32-residual-connection} x {pp2 (x dp2), pp2 x sp2,
-tp2 x sp2, dp2 x sp2 x cp2} x ZeRO {0, 1, 2, 3}, each against one process with the same
-flags: the tiny GQA model of test_parity.py, 2 steps of 4 samples, per-step losses and
+tp2 x sp2, dp2 x sp2 x cp2} x ZeRO {0, 1, 2, 3} in bf16 and {1, 3} in the other dtypes
+(stages 0 and 1 share their precision code, the flat all-reduce or reduce-scatter of
+fp32 gradients; stages 2 and 3 theirs, FSDP2's mixed precision, 3 resharding after
+forward as well), each against one process with the same flags: the tiny GQA model of test_parity.py, 2 steps of 4 samples, per-step losses and
 gradient norms. One spawn per world size runs every (dtype, grid, stage) of it, one
 Trainer after another.
 
@@ -53,7 +55,11 @@ TP2, SP2 = ["--tensor-model-parallel-size", "2"], ["--ds-sequence-parallel-size"
 PP2, CP2 = ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]
 GRIDS = {4: {"pp2": PP2, "pp2-sp2": PP2 + SP2, "tp2-sp2": TP2 + SP2},
          8: {"dp2-sp2-cp2": SP2 + CP2}}
-STAGES = (0, 1, 2, 3)
+STAGES = {"bf16": (0, 1, 2, 3)}  # other dtypes: (1, 3), as the module doc says
+
+
+def stages(dtype: str) -> tuple:
+    return STAGES.get(dtype, (1, 3))
 
 
 def base_args(tmp, dtype: str) -> list:
@@ -94,7 +100,7 @@ def matrix(tmp_path_factory):
         keys, runs = [], []
         for dtype in DTYPES:
             for grid, flags in grids.items():
-                for stage in STAGES:
+                for stage in stages(dtype):
                     keys.append((dtype, grid, stage))
                     names[keys[-1]] = f"{dtype}-{grid}-zero{stage}"
                     runs.append(base_args(tmp, dtype) + flags + ["--zero-stage", str(stage)]
@@ -116,7 +122,7 @@ def deviations(records, ref) -> tuple[float, float]:
 
 
 CASES = [(dtype, grid, stage) for dtype in DTYPES for grids in GRIDS.values()
-         for grid in grids for stage in STAGES]
+         for grid in grids for stage in stages(dtype)]
 
 
 @pytest.mark.parametrize("dtype,grid,stage", CASES,
