@@ -26,9 +26,10 @@ buffer when its receive is posted and lets it go once the micro-batch's backward
 (in evaluation: its forward), so a rank holds only the buffers of the micro-batches in
 flight. The received activation is the stage input kept for backward anyway; the last
 stage detaches each loss after its backward, since the schedule keeps the losses (and
-through their graphs the stage inputs) until the step ends. Not bounded yet: torch's
-multi-stage schedules (interleaved-1f1b, zero-bubble) keep every send's work, and the
-tensor it sent, until the step ends.
+through their graphs the stage inputs) until the step ends. Sends: torch's multi-stage
+schedules (interleaved-1f1b, zero-bubble) would keep every send's work, and the tensor it
+sent, until the step ends; there the stages issue their sends themselves and drop each
+once its receiver has posted the receive (parallel/pipeline_sends.py).
 
 Loss: the last stage's loss function sums each micro-batch's token losses under the loss
 mask and scales the sum by that micro-batch's factor (loss scale x its weight,
@@ -51,6 +52,8 @@ from torch.distributed.pipelining.stage import _RecvInfo
 
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP, PP, SP, TP
+from megaulysses.parallel.pipeline_sends import (BACKWARD_INPUT, FORWARD, FULL_BACKWARD,
+                                                 SEND_B, SEND_F, Sends)
 
 if TYPE_CHECKING:
     from megaulysses.model.gpt import GPT
@@ -144,12 +147,13 @@ class _Stage(PipelineStage):
     """PipelineStage whose sends are counted in the Comm's byte ledger and whose forward
     and backward chunks are timed in its timers (when on), with a hook that runs before
     the last micro-batch's backward (to start the dp x sp gradient reduction while that
-    backward runs), and whose receive buffers exist only while their micro-batch is in
-    flight (module doc)."""
+    backward runs), whose receive buffers exist only while their micro-batch is in
+    flight, and whose sends under the multi-stage schedules go through `sends` (module
+    doc)."""
 
-    def __init__(self, *args, comm: Comm, **kwargs):
+    def __init__(self, *args, comm: Comm, sends: Sends, **kwargs):
         super().__init__(*args, **kwargs)
-        self.comm = comm
+        self.comm, self.sends = comm, sends  # sends: the rank's, shared by its stages
         self.before_last_backward = None
         self.after_weight_grads = None  # takes the weight gradients a W pass assigned
 
@@ -178,14 +182,16 @@ class _Stage(PipelineStage):
         self.comm.count_p2p(ops, PP)
         if not self.has_backward:  # evaluation: the ops hold the output until it is sent
             self.fwd_cache.pop(fwd_chunk_id, None)
-        return ops
+        return self.sends.send(ops, (self.stage_index, SEND_F, fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self.comm.count_p2p(ops, PP)
-        return ops
+        return self.sends.send(ops, (self.stage_index, SEND_B, bwd_chunk_id))
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        # its receive is in: sends it proves arrived are dropped before the chunk allocates
+        self.sends.reached((self.stage_index, FORWARD, fwd_chunk_id))
         with self.comm.stats.timers("forward", self.device.type):
             output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if not self.has_backward:
@@ -199,6 +205,8 @@ class _Stage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
+        kind = FULL_BACKWARD if full_backward else BACKWARD_INPUT  # as forward_one_chunk
+        self.sends.reached((self.stage_index, kind, bwd_chunk_id))
         # torch's schedules call this in evaluation too (it returns at once there): the
         # hook must not fire then, or the next step would reduce its first micro-batch only.
         if (last_backward and full_backward and self.has_backward
@@ -248,6 +256,7 @@ class Pipeline:
         pp, rank = comm.size(PP), comm.rank(PP)
         self.model, self.comm, self.n_micro, self.schedule_name = model, comm, n_micro, schedule
         self.stage_ids = local_stages(len(layout), pp, rank)
+        self.sends = Sends()  # used by the multi-stage schedules only (`_run`)
         self.stages = [self._stage(module, s, len(layout), micro_shape, device)
                        for module, s in zip(modules, self.stage_ids)]
         self._schedules: dict = {}
@@ -274,7 +283,7 @@ class Pipeline:
         outputs = (torch.empty(b, s_tok, device="meta", requires_grad=True) if last  # fp32 losses
                    else torch.empty(b, s_hid, h, **hidden))
         return _Stage(module, s, num_stages, device, input_args=inputs, output_args=outputs,
-                      group=self.comm.group(PP), comm=self.comm)
+                      group=self.comm.group(PP), comm=self.comm, sends=self.sends)
 
     def _schedule_for(self, n_micro: int):
         """The schedule of a step of `n_micro` micro-batches, built at its first use: a
@@ -305,6 +314,8 @@ class Pipeline:
             inputs["documents"] = cat["documents"]
         self._sums = []
         schedule = self._schedule_for(len(batches))
+        if self.schedule_name not in SINGLE_STAGE:
+            self.sends.begin(schedule, train)
         if train:
             # timers on: the schedule's time outside the stages' forward and backward
             # (sends, receives, waiting for the other stages) is the step's p2p time
@@ -313,6 +324,7 @@ class Pipeline:
                 schedule.step(cat["tokens"], return_outputs=False, **inputs)
         else:
             schedule.eval(cat["tokens"], return_outputs=False, **inputs)  # losses via _loss
+        self.sends.end()
         total = torch.zeros(())
         for micro in self._sums:  # in micro-batch order, as the one-process loop adds them
             total += micro.float().cpu()

@@ -1,16 +1,21 @@
 """Pipeline receive buffers exist only while their micro-batch is in flight (issue 29,
-item 1): the live-bytes peak of a pp2 step with 64 micro-batches equals that with 8, for
-every schedule, in training and in evaluation, within the size of the buffers in flight.
+item 1), and sent tensors only until their receiver has them (issue 40, item 3): the
+live-bytes peak of a pp2 step with 64 micro-batches equals that with 8, for every
+schedule, in training and in evaluation, within the size of the buffers in flight.
 
 torch's PipelineStage alone allocates an activation and a gradient buffer per micro-batch
 of the step and keeps them all: 112 buffers more at 64 micro-batches than at 8 on each
 rank, which this test would see (measured before parallel/pipeline.py's `_Stage` bounded
 them: +1,835,008 bytes a rank in a 1f1b step, +3,670,016 in evaluation; after: +0, and
-+224 on the last stage, the schedule's 0-dim losses). What else grows with the
-micro-batch count is subtracted: the step's micro-batches concatenated (`Pipeline._run`),
-a 0-dim loss sum per micro-batch on the last stage and, under interleaved-1f1b and
-zero-bubble, the tensors sent: torch's runtime schedule keeps every send's work until
-the step ends (a send, not a receive buffer; not bounded yet).
++224 on the last stage, the schedule's 0-dim losses). torch's runtime schedule
+(interleaved-1f1b, zero-bubble) also keeps every send's work, and the tensor sent, until
+the step ends: +5,505,024 bytes a rank at 64 micro-batches in a training step (each
+rank's two stages send 3 buffers a micro-batch), +3,670,016 on rank 0 in evaluation
+(measured before parallel/pipeline_sends.py dropped each send once its receive was
+posted; after: +0, and +224 on the last stage, as with 1f1b). Nothing is
+subtracted for sends; what else grows with the micro-batch count is: the step's
+micro-batches concatenated (`Pipeline._run`) and a 0-dim loss sum per micro-batch on the
+last stage, a few bytes a token.
 
 The model is tiny but wide (hidden 256, seq 32, micro-batch 1): a receive buffer, 4*T*h
 = 32 KiB, dwarfs a micro-batch's 28 bytes a token. One spawn of 2 ranks runs every case.
@@ -48,19 +53,11 @@ def receive_buffers(pipe) -> list:
             for infos in table.values() for i in infos]
 
 
-def sent_per_micro_batch(pipe, train: bool) -> int:
-    """Bytes this rank sends per micro-batch: torch's multi-stage schedules keep every
-    send's work, and with it the tensor sent, until the step ends (not a receive)."""
-    if pipe.schedule_name in ("1f1b", "gpipe"):
-        return 0
-    return BUFFER * sum((not st.is_last) + (train and not st.is_first) for st in pipe.stages)
-
-
 def peaks(flags: list, m: int) -> tuple[int, int]:
     """(train step, evaluation) peaks of this rank over its second step with `m`
     micro-batches: the receive buffers held before it + the step's live-bytes peak, less
-    what grows with m besides the receive buffers: the concatenated micro-batches, the
-    per-micro-batch loss sums, the sends the multi-stage schedules keep."""
+    the concatenated micro-batches and the per-micro-batch loss sums (nothing for the
+    receive buffers or the tensors sent)."""
     import megaulysses.training.step as tr
     from megaulysses.config import parse_args
     from megaulysses.training.live_bytes import LiveBytes, storage_bytes
@@ -83,7 +80,7 @@ def peaks(flags: list, m: int) -> tuple[int, int]:
         assert held == 0, held  # none between steps: they come with their micro-batch
         with LiveBytes() as mem:
             run(batches)
-        out.append(held + mem.peak - growing - m * sent_per_micro_batch(pipe, train))
+        out.append(held + mem.peak - growing)
     del trainer
     gc.collect()
     return out[0], out[1]

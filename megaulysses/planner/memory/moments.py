@@ -62,9 +62,9 @@ def _p2p_buffers(rank: _RankLayout, full_recompute: bool) -> int:
     kept for backward; under full recomputation it is the first checkpoint's input,
     counted with the activations), the gradient of the chunk whose backward runs; and
     on a stage that receives, the input gradient it sent last, which the schedule's send
-    ops reference until the next backward's (measured). Not counted: interleaved-1f1b
-    and zero-bubble (torch's runtime schedule) keep every send's work, and its tensor,
-    until the step ends: a rank's sent activations and gradients of all micro-batches."""
+    ops reference until the next backward's (measured). Not counted: under
+    interleaved-1f1b and zero-bubble the stages drop each send once its receive is posted
+    (parallel/pipeline_sends.py); a few stay pending (at most ~2 pp, whatever m)."""
     receiving = rank.chunks - rank.first  # chunks whose stage is not the first
     acts = 0 if full_recompute else -(-rank.in_flight * receiving // rank.chunks)
     grads = 1 if rank.chunks > rank.last else 0  # some chunk's stage is not the last
