@@ -25,7 +25,8 @@ schedule that moves, loss-mask reductions, NaN checks or logging.
                    the trainer picks (`select_backend("auto")`), tensor parallelism as the
                    trainer applies it (`apply_tensor_parallel`, Megatron-SP inside tp), the
                    trainer's AdamW (`param_groups` + `adamw`: torch's fused kernel) and step
-                   pieces: `step_context` (tp: DTensor's collectives counted), `Zero` at
+                   pieces: `step_context` (tp: DTensor's collectives counted, by a dispatch
+                   mode on the first step only, as the trainer counts them), `Zero` at
                    stage 0 (gradients in their tp layouts), `unscale_and_clip` by the
                    global norm, `step()`, `zero_grad()`.
 
@@ -249,7 +250,7 @@ def build_ours(o: dict, world: int, ckpt_dir: str, compiled: bool) -> Callable[[
     inputs, labels = batch(o)
 
     def step() -> float:
-        with step_context(comm):
+        with step_context(comm, tuple(inputs.shape)):  # as training/step.py keys it
             loss = model(inputs, labels=labels).mean()  # [b, s] -> []
             zero.before_backward(last=True)
             loss.backward()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,13 +66,16 @@ class Comm:
     def mesh(self, dim: str) -> DeviceMesh:
         return self.meshes[dim]
 
-    def counting_dtensor_collectives(self) -> _FunctionalCollectiveCounter:
+    def counting_dtensor_collectives(self, key: Hashable = None
+                                     ) -> contextlib.AbstractContextManager:
         """Context: count the collectives DTensor issues (tensor parallelism) in `stats`.
 
         DTensor calls torch's functional collectives from inside its dispatch; a dispatch
         mode sees them in forward and backward, so they land in the same ledger as ours.
+        With `key` (what fixes the shapes inside), only the first time per key runs the
+        mode; later times add what it counted (`CommStats.counted_once`).
         """
-        return _FunctionalCollectiveCounter(self.stats, lambda g: self.dim_of_group(g, TP))
+        return self.stats.counted_once(key, lambda g: self.dim_of_group(g, TP))
 
     # -- plain collectives (no autograd) --------------------------------------------------
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Hashable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -244,14 +244,16 @@ def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: i
     return {"all_gather": 2 * n, "reduce_scatter": 2 * n}
 
 
-def step_context(comm: Comm) -> contextlib.ExitStack:
+def step_context(comm: Comm, key: Hashable = None) -> contextlib.ExitStack:
     """Forward and backward of a step run inside this. Under tensor parallelism it counts
-    DTensor's collectives in `comm.stats`; otherwise it does nothing. Not with compiled
-    blocks (`comm.compiled`, parallel/compile.py): dynamo compiles nothing inside a
-    dispatch mode, so they go uncounted."""
+    DTensor's collectives in `comm.stats` (with `key`, the step's shapes: by a dispatch
+    mode the first step of those shapes only, see `Comm.counting_dtensor_collectives`);
+    otherwise it does nothing. Not with compiled blocks (`comm.compiled`,
+    parallel/compile.py): dynamo compiles nothing inside a dispatch mode, so they go
+    uncounted."""
     stack = contextlib.ExitStack()
     if comm.size(TP) > 1 and not getattr(comm, "compiled", False):
-        stack.enter_context(comm.counting_dtensor_collectives())
+        stack.enter_context(comm.counting_dtensor_collectives(key))
     return stack
 
 

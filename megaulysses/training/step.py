@@ -97,14 +97,14 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
     --log-timers-to-tensorboard (`comm.stats.timers` on) its forward, backward and
     optimizer phases are timed (under a pipeline also the schedule's p2p time between)."""
     timers = comm.stats.timers
-    with tp_step_context(comm):
-        # Each micro-batch's weight is known before any forward: every backward uses its
-        # final factor, so the summed gradients are exactly those of the iteration's loss.
-        weights, tokens = micro_batch_weights(batches, comm, device, per_token_loss)
-        grad_scales = [scaler.scale * w for w in weights]
-        review = _reviewer(checks, comm, device, tokens, iteration)
-        outcome = None
-        while outcome is None:  # once, or twice where `checks` asks for a rerun
+    # Each micro-batch's weight is known before any forward: every backward uses its
+    # final factor, so the summed gradients are exactly those of the iteration's loss.
+    weights, tokens = micro_batch_weights(batches, comm, device, per_token_loss)
+    grad_scales = [scaler.scale * w for w in weights]
+    review = _reviewer(checks, comm, device, tokens, iteration)
+    outcome = None
+    while outcome is None:  # once, or twice where `checks` asks for a rerun
+        with tp_step_context(comm, _shapes(batches)):  # each pass counts its collectives
             if pipeline is None:
                 loss_sum = _forward_backward(model, batches, grad_scales, device, dtype, zero,
                                              timers)
@@ -116,10 +116,10 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
                 outcome = _finish_grads_and_step(
                     zero, scaler, clip_grad, comm, pipeline, loss_sum, check_nan, fault,
                     count_zeros=log_num_zeros, review=review)
-            if outcome is None:
-                checks.restore_rng()
-        norm, skipped, nonfinite, zeros = outcome
-        empty_unused_memory(empty_cache_level, 2)
+        if outcome is None:
+            checks.restore_rng()
+    norm, skipped, nonfinite, zeros = outcome
+    empty_unused_memory(empty_cache_level, 2)
     # logged: the global per-token mean in either mode, as Megatron-LM logs it; a batch
     # with no loss tokens gives loss 0, not NaN
     loss = global_sum(comm, loss_sum, device, (DP_SP, PP)) / max(tokens, 1.0)
@@ -205,6 +205,12 @@ def _finish_grads_and_step(zero: Zero, scaler, clip_grad, comm, pipeline, loss_s
     scaler.update(overflow=nonfinite)
     zero.zero_grad()
     return norm, skipped, nonfinite, zeros
+
+
+def _shapes(batches: list[dict]) -> tuple:
+    """What fixes the collectives of a step's tensor-parallel forward and backward."""
+    return tuple((k, tuple(v.shape)) for b in batches for k, v in b.items()
+                 if isinstance(v, torch.Tensor))
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
 """One transformer block under tensor parallelism (plain and Megatron-SP) == one process,
-forward and backward, and the bytes its collectives send == the formula."""
+forward and backward, and the bytes its collectives send == the formula; counted with a
+step's key, the first pass runs the counting dispatch mode and later passes add the same
+bytes without it (CommStats.counted_once)."""
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ def block_tp(rank, world, sequence_parallel):
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.comm import Comm
     from megaulysses.parallel.dims import ParallelDims, build_mesh
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
     from megaulysses.parallel.tensor import _block_plan, megatron_sp_bytes_per_layer
     cfg = llama_config(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2,
                       seq_length=S, vocab_size=128)
@@ -43,7 +46,15 @@ def block_tp(rank, world, sequence_parallel):
     for (name, p), q in zip(block.named_parameters(), ref.parameters()):
         gp = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         err.append(_rel(gp, q.grad))
-    return max(err), fwd, bwd, megatron_sp_bytes_per_layer(B, S, H, world, 4)
+    # (bytes counted, whether a dispatch mode ran) of passes keyed alike; after the
+    # gradients are compared, as these passes add to them
+    keyed = []
+    for _ in range(3):
+        with comm.counting_dtensor_collectives(key=("step", B, S)):
+            mode = _get_current_dispatch_mode() is not None
+            block(xt.detach().requires_grad_(), rotary).backward(grad[:, keep])
+        keyed.append((comm.stats.pop(), mode))
+    return max(err), fwd, bwd, megatron_sp_bytes_per_layer(B, S, H, world, 4), keyed
 
 
 def _rel(a, b):
@@ -52,8 +63,10 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-megatron-sp"])
 def test_block_matches_single_process_and_bytes(sequence_parallel):
-    for err, fwd, bwd, formula in run_ranks(block_tp, 2, sequence_parallel):
+    for err, fwd, bwd, formula, keyed in run_ranks(block_tp, 2, sequence_parallel):
         assert err < FP32_TOL
+        whole = {k: fwd.get(k, 0) + bwd.get(k, 0) for k in set(fwd) | set(bwd)}
+        assert keyed == [(whole, True), (whole, False), (whole, False)], keyed
         if sequence_parallel:
             assert fwd == formula, fwd
             # backward: each all-gather's gradient is a reduce-scatter and vice versa
