@@ -1,7 +1,8 @@
 """The rules of the activation-memory flags that full recomputation or the grid decide:
 --cpu-offloading-num-layers (needs full recomputation: it moves what that keeps),
 --attention-head-groups (the heads a rank attends over must split into those groups) and
---ds-sequence-parallel-fpdt (chunked Ulysses attention: parallel/fpdt.py's limits)."""
+--ds-sequence-parallel-fpdt (chunked Ulysses attention, at sp = 1 too: parallel/fpdt.py's
+limits)."""
 
 from __future__ import annotations
 
@@ -38,14 +39,19 @@ def check_fpdt(dims: ParallelDims, m: ModelConfig, mem: MemoryConfig) -> None:
         require(mem.ds_sequence_parallel_fpdt_chunk_size == 65536,
                 "--ds-sequence-parallel-fpdt-chunk-size", f"needs {flag}")
         return
-    require(dims.sp > 1, flag, "needs Ulysses (--ds-sequence-parallel-size > 1)")
+    # sp = 1 too: one rank's attention in sequence chunks, no exchange (parallel/fpdt.py)
     require(dims.cp == 1, flag, "runs without ring attention (--context-parallel-size 1)")
     require(mem.attention_head_groups == 1, flag, "and --attention-head-groups are two "
             "ways of cutting attention: use one")
     chunk = min(mem.ds_sequence_parallel_fpdt_chunk_size, m.seq_length)
-    require(m.seq_length % chunk == 0 and chunk % dims.sp == 0,
-            "--ds-sequence-parallel-fpdt-chunk-size", f"{chunk} must divide --seq-length "
-            f"{m.seq_length} and be divisible by --ds-sequence-parallel-size {dims.sp}")
+    name = "--ds-sequence-parallel-fpdt-chunk-size"
+    if dims.sp == 1:
+        require(m.seq_length % chunk == 0, name,
+                f"{chunk} must divide --seq-length {m.seq_length}")
+        return
+    require(m.seq_length % chunk == 0 and chunk % dims.sp == 0, name,
+            f"{chunk} must divide --seq-length {m.seq_length} and be divisible by "
+            f"--ds-sequence-parallel-size {dims.sp}")
 
 
 def check_head_groups(dims: ParallelDims, m: ModelConfig, groups: int) -> None:

@@ -51,25 +51,30 @@ while the one before has its repeats summed. Not hidden: the k, v exchanges (bef
 attention) and the dk, dv ones (after). One chunk's exchange more is live (sent and
 received): planner/memory/chunked.py counts q_{i+1} and dout_{i+1}.
 
+One rank (P = 1: sp = 1, alone or beside dp / tp): the all-to-all is the identity, so no
+collective is issued (parallel/fpdt_chunks.py) and the same chunk loop runs on the whole
+sequence: the kernels' working set is a chunk pair's and, with `offload`, what attention
+keeps for backward is on the host. The core's inputs, output and their gradients are
+whole-sequence tensors here (at P > 1 they are a rank's 1/P of it), so they stay.
+
 Limits: no ring (contiguous slices, no zigzag); hq % P == 0, and
 hkv and P divide one another; n % C == 0. The host copies are synchronous (pinned
-memory on CUDA): simple, not overlapped with compute.
+memory on CUDA): simple, not overlapped with compute (fpdt_chunks.py holds the exchanges
+and the host copies).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megaulysses.model.attention import AttentionMask
-from megaulysses.model.attention.block import (attention_block_size, merge, partial_backward,
-                                               partial_forward, plain_fused_kernel)
+from megaulysses.model.attention.block import merge, partial_backward, partial_forward
 from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
-from megaulysses.parallel.a2a_overlap import one_ahead
-from megaulysses.parallel.comm import Comm, PendingAllToAll
+from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
-from megaulysses.parallel.host_memory import mark_host
+from megaulysses.parallel.fpdt_chunks import ChunkPlan
 from megaulysses.parallel.ulysses import repeat_kv_heads
 
 if TYPE_CHECKING:
@@ -117,76 +122,7 @@ class ChunkedUlyssesAttention:
                              f"into {C} chunks")
 
 
-class _Plan:
-    """One call's chunk geometry, exchanges and host copies."""
-
-    def __init__(self, core: ChunkedUlyssesAttention, q: torch.Tensor, k: torch.Tensor,
-                 mask: AttentionMask, dropout: Optional[AttentionDropout] = None):
-        self.comm, self.dim, self.P, self.C = core.comm, core.dim, core.P, core.chunks
-        self.offload, self.device, self.overlap = core.offload, q.device, core.overlap
-        self.n = q.shape[1]  # S/P local tokens
-        self.L = self.n // self.C
-        layout_block = mask.layout.block if mask.layout is not None else None
-        self.block = attention_block_size(self.L, layout_block=layout_block)
-        # None: the block kernel; always under dropout (its positional mask, dropout.py)
-        self.kernel = plain_fused_kernel(q, k, k, mask) if dropout is None else None
-        self.dropout = dropout
-        self.causal, self.scale = mask.causal, q.shape[-1] ** -0.5
-        starts = torch.arange(self.P, device=q.device).view(-1, 1) * self.n  # [P, 1]
-        t = torch.arange(self.L, device=q.device).view(1, -1)  # [1, L]
-        self.pos = [(starts + c * self.L + t).flatten() for c in range(self.C)]  # [P*L] int64
-
-    def rows(self, c: int) -> slice:
-        """Chunk c's rows of a local `[b, S/P, ...]` tensor."""
-        return slice(c * self.L, (c + 1) * self.L)
-
-    def exchanged(self, starts: list) -> Iterator[torch.Tensor]:
-        """The results of `starts` (each issues one exchange) in order: overlapped, the
-        next one in flight while the caller works on the current; else one at a time."""
-        return one_ahead(starts) if self.overlap else (s().wait() for s in starts)
-
-    def heads(self, t: Callable[[], torch.Tensor]) -> Callable[[], PendingAllToAll]:
-        """The exchange of what `t()` makes `[b, L, h, d]` -> `[b, P*L, h/P, d]` (heads
-        scattered, sequence gathered), to issue when called (`exchanged`)."""
-        return lambda: self.comm.all_to_all_start(t(), self.dim, scatter_dim=2, gather_dim=1)
-
-    def land(self, dst: torch.Tensor, pending: list, keep: int = 1) -> None:
-        """`back`'s exchanges issued, [(rows, exchange)]: each written into its rows
-        of `dst` `[b, S/P, h, d]`; overlapped, the newest `keep` left in flight."""
-        while len(pending) > (keep if self.overlap else 0):
-            rows, p = pending.pop(0)
-            dst[:, rows] = p.wait()
-
-    def back(self, t: torch.Tensor) -> PendingAllToAll:  # [b, P*L, h/P, d] -> [b, L, h, d]
-        return self.comm.all_to_all_start(t, self.dim, scatter_dim=1, gather_dim=2)
-
-    def keep(self, t: torch.Tensor) -> torch.Tensor:
-        """What backward needs: `t` itself, or with offload its host copy (pinned beside a
-        GPU; on a CPU a real copy, marked as host memory). Synchronous, for simplicity."""
-        if not self.offload:
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-        host.copy_(t)
-        return mark_host(host)
-
-    def fetch(self, t: torch.Tensor) -> torch.Tensor:
-        """A kept tensor on the device (with offload a fresh, unmarked copy)."""
-        if not self.offload:
-            return t
-        return t.clone() if self.device.type == "cpu" else t.to(self.device)
-
-    def add(self, kept: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
-        """kept += part (fp32 accumulators, on the host with offload: fetched, added on the
-        device, written back); the first part starts it."""
-        if kept is None:
-            return self.keep(part)
-        if not self.offload:
-            return kept.add_(part)
-        kept.copy_(self.fetch(kept).add_(part))
-        return kept
-
-
-def _attend(plan: _Plan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
+def _attend(plan: ChunkPlan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
             i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query chunk i `[b, P*L, hq/P, d]` against every key chunk: (out_i in q's dtype,
     lse_i `[b, hq/P, P*L]` fp32)."""
@@ -204,14 +140,14 @@ def _attend(plan: _Plan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
     return out.to(q_i.dtype), lse
 
 
-def _fused_pieces(plan: _Plan) -> list:
+def _fused_pieces(plan: ChunkPlan) -> list:
     """(query rows, key rows) of every pair's full rectangles beside its diagonal
     (`_diagonal`): run r of the query chunk sees key runs r' < r whole."""
     L = plan.L
     return [(slice(r * L, (r + 1) * L), slice(0, r * L)) for r in range(1, plan.P)]
 
 
-def _diagonal(plan: _Plan, i: int, j: int) -> Optional[bool]:
+def _diagonal(plan: ChunkPlan, i: int, j: int) -> Optional[bool]:
     """Query run r against key run r, for every r at once (the P runs as a batch): whole
     if j < i, causal if j == i (returns whether causal), None if j > i (nothing)."""
     return None if j > i else j == i
@@ -232,7 +168,7 @@ def _lse_chunk(lse: torch.Tensor, b: int) -> torch.Tensor:  # [b*P, h, L] -> [b,
     return lse.view(b, bP // b, h, L).transpose(1, 2).reshape(b, h, bP // b * L)
 
 
-def _fused_forward(plan: _Plan, q_i, k_j, v_j, i: int, j: int):
+def _fused_forward(plan: ChunkPlan, q_i, k_j, v_j, i: int, j: int):
     """Pair (i, j) on the fused kernel: (out fp32 `[b, P*L, hq/P, d]`, lse `[b, hq/P, P*L]`),
     rows no key reaches out 0, lse -inf. P calls: the diagonal runs batched, then the
     rectangle of each run r > 0."""
@@ -258,7 +194,7 @@ def _fused_forward(plan: _Plan, q_i, k_j, v_j, i: int, j: int):
     return out, lse
 
 
-def _fused_backward(plan: _Plan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: int):
+def _fused_backward(plan: ChunkPlan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: int):
     """Pair (i, j)'s (dq, dk, dv) on the fused kernel, fp32, whole chunks."""
     k, P = plan.kernel, plan.P
     if not plan.causal:
@@ -295,7 +231,7 @@ class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask: AttentionMask, core: ChunkedUlyssesAttention,
                 dropout: Optional[AttentionDropout]):
-        plan = _Plan(core, q, k, mask, dropout)  # backward reuses it: the same masks
+        plan = ChunkPlan(core, q, k, mask, dropout)  # backward reuses it: the same masks
         P, rows = plan.P, plan.rows
         kv = [plan.keep(t) for t in plan.exchanged(  # k_0, v_0, k_1, ...: one ahead
             [plan.heads(lambda t=t, j=j: repeat_kv_heads(t[:, rows(j)], P))
@@ -346,7 +282,7 @@ class _Chunked(torch.autograd.Function):
         return (dq, *_kv_grads(plan, acc, ctx.dtypes, ctx.kv_shape), None, None, None)
 
 
-def _kv_grads(plan: _Plan, acc: list, dtypes: tuple, shape) -> list:
+def _kv_grads(plan: ChunkPlan, acc: list, dtypes: tuple, shape) -> list:
     """[dk, dv] `[b, S/P, hkv, d]` from the fp32 sums `acc` (emptied), chunk by chunk,
     each chunk's exchange issued while the one before has its repeats summed."""
     grads = [torch.empty(shape, dtype=dtype, device=plan.device) for dtype in dtypes]
@@ -363,7 +299,7 @@ def _kv_grads(plan: _Plan, acc: list, dtypes: tuple, shape) -> list:
     return grads
 
 
-def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, do_i, kv: list, acc: list,
+def _backward_chunk(plan: ChunkPlan, q_i, out_i, lse_i, do_i, kv: list, acc: list,
                     mask: AttentionMask, i: int) -> torch.Tensor:
     """Query chunk i's share of backward, `do_i` its exchanged output gradient `[b, P*L,
     hq/P, d]`: its dq_i (fp32 `[b, P*L, hq/P, d]`); every key chunk's shares added into
@@ -387,10 +323,11 @@ def _backward_chunk(plan: _Plan, q_i, out_i, lse_i, do_i, kv: list, acc: list,
 
 
 def apply_fpdt(model: GPT, comm: Comm, chunks: int, offload: bool, dim: str = SP) -> GPT:
-    """Under Ulysses (sp > 1), swap every block's attention core for the chunked one (in
-    place; --ds-sequence-parallel-fpdt: `chunks`, --ds-sequence-parallel-fpdt-offloading:
-    `offload`). It picks its own kernels, so the model's core is not wrapped."""
-    if comm.size(dim) == 1 or not chunks:
+    """Swap every block's attention core for the chunked one (in place;
+    --ds-sequence-parallel-fpdt: `chunks`, --ds-sequence-parallel-fpdt-offloading:
+    `offload`), under Ulysses or at sp = 1 (no exchange: the chunks alone). It picks its
+    own kernels, so the model's core is not wrapped."""
+    if not chunks:
         return model
     for layer in model.layers.values():
         if layer is not None:

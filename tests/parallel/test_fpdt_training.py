@@ -1,6 +1,6 @@
-"""--ds-sequence-parallel-fpdt (parallel/fpdt.py wired in by parallel/ulysses.py) trains like
-one process, with and without --ds-sequence-parallel-fpdt-offloading, and bad flags get one
-line naming the flag.
+"""--ds-sequence-parallel-fpdt (parallel/fpdt.py wired in by parallel/parallelize.py) trains
+like one process, with and without --ds-sequence-parallel-fpdt-offloading, under Ulysses and
+at sp = 1 beside dp or tp, and bad flags get one line naming the flag.
 
 Training: the tiny Llama-style model of tests/helpers.py (4 heads, GQA 4/2 or MHA 4/4; 32
 tokens, chunks of 16 or 8 tokens of the whole sequence), fp32, dropout 0, 4 steps of 4
@@ -38,7 +38,10 @@ GRIDS = {  # world -> {name: flags}
         "sp2 selective recompute": SP2 + FPDT + ["--recompute-activations"],
         "sp2 ZeRO-3, tiled MLP, offload": SP2 + FPDT + OFF + ["--zero-stage", "3",
                                                               "--tiled-mlp-chunks", "2"],
-        "sp2 bf16, offload": SP2 + FPDT + OFF + ["--bf16"]},
+        "sp2 bf16, offload": SP2 + FPDT + OFF + ["--bf16"],
+        # sp = 1 (issue 40): no exchange, the chunks alone, beside dp or tp
+        "dp2 (sp 1), 4 chunks, offload": FPDT8 + OFF,
+        "tp2 (sp 1), 2 chunks": FPDT + ["--tensor-model-parallel-size", "2"]},
     4: {"sp4 MHA (one head a rank), ZeRO-3, full recompute, offload":
         MHA + SP4 + FPDT + OFF + FULL + ["--zero-stage", "3"],
         "pp2 x sp2, offload": SP2 + FPDT + OFF + ["--pipeline-model-parallel-size", "2"],
@@ -110,7 +113,9 @@ def test_fpdt_trains_like_one_process(reference, grids, world, name):
 
 
 BAD = [  # (flags, the flag the line names, a piece of its rule)
-    (FPDT, "--ds-sequence-parallel-fpdt", "needs Ulysses"),
+    # sp = 1 runs (test_fpdt_one_rank.py); its chunk must still divide the sequence
+    (["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "12"],
+     "--ds-sequence-parallel-fpdt-chunk-size", "12 must divide --seq-length 32"),
     (OFF, "--ds-sequence-parallel-fpdt-offloading", "needs --ds-sequence-parallel-fpdt"),
     (["--ds-sequence-parallel-fpdt-chunk-size", "8"], "--ds-sequence-parallel-fpdt-chunk-size",
      "needs --ds-sequence-parallel-fpdt"),

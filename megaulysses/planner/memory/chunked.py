@@ -11,13 +11,14 @@ block kernel over S/C query positions and S/C keys (`fpdt_pair`).
                     the local output it fills, e*(2Q + 2K); one pair: q_i, the running fp32
                     out and the pair's fp32 partial, k_j, v_j fetched (offloading), the
                     block kernel's grouped copies and a block of scores; q_{i+1} in flight
-                    (parallel/a2a_overlap.py: sent and received, 2e*Q/C)
+                    (parallel/a2a_overlap.py: sent and received, 2e*Q/C; at sp = 1 no
+                    exchange, so none, and q_i a copy only for b > 1)
     backward        dout and dq (local, whole: dq filled chunk by chunk), e*2Q; the fp32
                     key/value gradient sums, 4*2K (on the host when offloading); one query
                     chunk: dout_i, its fp32 dq_i, q_i, out_i fetched (offloading) and a pair's
                     partial_backward (the masked kernel's working set over 1/C), dout_{i+1}
-                    in flight (2e*Q/C); at the end dk, dv in q's dtype, e*2K, with one
-                    sum's chunk fetched
+                    in flight (2e*Q/C; none at sp = 1); at the end dk, dv in q's dtype,
+                    e*2K, with one sum's chunk fetched
     host            offloading: what a layer keeps, for each layer whose backward is pending
                     (every layer of the stage without recomputation, a recomputed group's
                     under full, one under selective)
@@ -62,7 +63,18 @@ def fpdt_forward(s: _Shape, block_forward: int) -> int:
         pair = F32 * p.Q + p.lse + (e + F32) * p.Q // s.sp
     else:  # the running out and the pair's partial, fp32, and the block kernel's set
         pair = 2 * F32 * p.Q + block_forward
-    return e * (2 * s.Q + 2 * s.K) + 3 * e * p.Q + fetched + pair  # + q_i, q_{i+1}
+    return e * (2 * s.Q + 2 * s.K) + _received(s) + fetched + pair
+
+
+def _received(s: _Shape) -> int:
+    """Query chunk q_i as the exchange hands it over, and q_{i+1} in flight: under Ulysses
+    q_i and q_{i+1}'s send and receive buffers (3e*Q/C); at sp = 1 no exchange
+    (parallel/fpdt_chunks.py): q_i's contiguous copy, none for one sample (its slice
+    already is contiguous)."""
+    q = s.e * fpdt_pair(s).Q
+    if s.sp > 1:
+        return 3 * q
+    return q if s.b > 1 else 0
 
 
 def fpdt_backward(s: _Shape, block_backward: int) -> int:
@@ -76,8 +88,8 @@ def fpdt_backward(s: _Shape, block_backward: int) -> int:
     else:  # partial_backward (dout_i is its input, counted there)
         pair = block_backward
     # dq_i's fp32 sum; with offloading a sum's chunk fetched to add the pair's share
-    step = (F32 * p.Q + fetched + pair + (F32 * p.K if s.fpdt_host else 0)
-            + 2 * e * p.Q)  # dout_{i+1} in flight
+    ahead = 2 * e * p.Q if s.sp > 1 else 0  # dout_{i+1} in flight (sp = 1: no exchange)
+    step = F32 * p.Q + fetched + pair + (F32 * p.K if s.fpdt_host else 0) + ahead
     end = e * (2 * s.Q + 2 * s.K) + (F32 + e) * p.K  # dout, dq, dk, dv; a sum's chunk
     return max(e * 2 * s.Q + sums + step, end + sums)
 

@@ -13,8 +13,13 @@ of k (and v), lse = 4*b*(hq/sp)*S/C bytes of fp32 logsumexp.
 
 Micro-batches in flight on pipeline rank r: 1f1b min(m, pp - r); gpipe m;
 interleaved-1f1b torch's warm-up + 1 model chunks (a chunk keeps its share of the rank's
-layers); zero-bubble warm-up + 2 (a chunk lives until its weight-gradient pass;
-measured). Later backwards hold as many while forwards remain, and the gradients.
+layers); zero-bubble (torch's ScheduleInterleavedZeroBubble, ZB1P) warm-up + 1 + r, which
+is (chunks - 1) * per_round + pp on every rank: rank r runs a chunk's weight-gradient pass
+(W) r input-gradient passes (B) after its B, and a chunk keeps its activations until its
+W, so at a W r + 1 chunks are between B and W (`pending`), the others not backwarded yet.
+Not modelled: zero-bubble under --recompute-granularity full, whose last-stage W pass
+peaked 24 MiB above its start on test_memory_plan.py's pp2 model (1.5 MiB without).
+Later backwards hold as many while forwards remain, and the gradients.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class _RankLayout:
     m: int  # micro-batches per step
     in_flight: int  # micro-batches (model chunks) held at the first backward
     zero_stage: int
+    pending: int = 0  # zero-bubble: of those, chunks between their B and W passes at a W
 
     @property
     def layers(self) -> int:
@@ -62,10 +68,11 @@ class _RankLayout:
         ids = tuple(range(pp_rank, len(layout), dims.pp))
         m = t.global_batch_size // (t.micro_batch_size * dims.dp)
         schedule = par.pipeline_schedule if dims.pp > 1 else None
+        in_flight = _in_flight(schedule, dims.pp, pp_rank, m, len(ids))
         return cls(ids=ids, stage_layers=tuple(len(layout[i]) for i in ids), first=0 in ids,
-                   last=len(layout) - 1 in ids, m=m,
-                   in_flight=_in_flight(schedule, dims.pp, pp_rank, m, len(ids)),
-                   zero_stage=par.zero_stage if _zero_ranks(dims) > 1 else 0)
+                   last=len(layout) - 1 in ids, m=m, in_flight=in_flight,
+                   zero_stage=par.zero_stage if _zero_ranks(dims) > 1 else 0,
+                   pending=min(pp_rank + 1, in_flight) if schedule == "zero-bubble" else 0)
 
 
 def _zero_ranks(dims: ParallelDims) -> int:
@@ -85,9 +92,10 @@ def _in_flight(schedule: Optional[str], pp: int, rank: int, m: int, chunks: int)
     per_round = m // max(1, m // pp)
     if schedule == "interleaved-1f1b":
         return min((chunks - 1) * per_round + 2 * (pp - 1 - rank) + 1, m * chunks)
-    # zero-bubble: a chunk's activations live until its weight-gradient pass, one chunk
-    # more than 1F1B holds (measured)
-    return min((chunks - 1) * per_round + (pp - 1 - rank) + 2, m * chunks)
+    # zero-bubble: warm-up (chunks - 1) * per_round + pp - 1 - rank forwards, then each
+    # forward's B, and the W of the B `rank` steps earlier: at a W, warm-up chunks not
+    # backwarded yet and rank + 1 between B and W (module doc)
+    return min((chunks - 1) * per_round + pp, m * chunks)
 
 
 # -- shapes ----------------------------------------------------------------------------------
@@ -268,7 +276,7 @@ def _kernel(cfg: Config, dims: ParallelDims, device_type: str) -> str:
     drop = m.attention_dropout > 0
     if dims.cp > 1:
         return "ring"  # parallel/ring.py, whatever the backend (and inside Ulysses)
-    if dims.sp > 1 and cfg.memory.ds_sequence_parallel_fpdt:
+    if cfg.memory.ds_sequence_parallel_fpdt:  # at sp = 1 too (no exchange, the chunks alone)
         return "fpdt"  # parallel/fpdt.py: chunked, on the block kernel (planner/chunked.py)
     if m.attention_backend == "math":
         return "math"
