@@ -16,7 +16,9 @@ The models are small (2 layers, hidden 64, 4 heads, vocab 512) at seq 256 and mi
 one spawn per world size runs all of its grids. `-s` prints the table. Ulysses x Ring
 (cp) and the masked block kernel (a sliding window, packed documents) are among them, in
 fp32 and bf16, MHA and GQA, rings of 2 and 4; the ring's ranks are planned with their own
-ring rank (the zigzag gives them different keys per step).
+ring rank (the zigzag gives them different keys per step). Pipelines: 1f1b and
+zero-bubble (whose ranks hold different counts of micro-batches, some between their
+input- and weight-gradient passes).
 """
 
 import gc
@@ -72,6 +74,11 @@ GRIDS = {  # world -> {name: flags}
         "tp2 + Megatron-SP, full, MLP tiled 2":
             TP2 + ["--sequence-parallel", "--tiled-mlp-chunks", "2"] + FULL,
         "pp2 1f1b, 4 micro-batches, none": PP2 + ["--global-batch-size", "8"],
+        # torch's ZB1P: 2 stages a rank, a chunk kept from its input-gradient pass to its
+        # weight-gradient pass (planner/memory/shapes.py's `pending`), 8 micro-batches
+        "pp2 zero-bubble, 2 stages a rank, 8 micro-batches, none": PP2 + [
+            "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--pipeline-schedule", "zero-bubble", "--global-batch-size", "16"],
         "dp2, ZeRO-1, bf16, none": ["--zero-stage", "1", "--bf16"],
         "dp2, ZeRO-1, 4 buckets (--ddp-num-buckets), none": [
             "--zero-stage", "1", "--ddp-num-buckets", "4"],

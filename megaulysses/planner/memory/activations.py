@@ -124,6 +124,45 @@ class _Activations:
     def per_micro_batch(self) -> int:
         return self.layers_kept + self.head + self.output + self.embedding + self.rotary
 
+    def pending_kept(self, head: bool = False) -> int:
+        """Zero-bubble: what the rank's chunks between their B and W passes keep beyond
+        their activations: `rank.pending` of them. At a B, `rank.pending` - 1 and the
+        running one's, which frees nothing (retain_graph) and ends with as much, of any of
+        the rank's stages (the most); at the loss's W (`head`), of the last stage, the W
+        recomputing the loss's exps (its B consumed them)."""
+        if not self.rank.pending:
+            return 0
+        if head:
+            exps = F32 * self.s.T * self.s.V if self.s.ce_kept else 0
+            return self.rank.pending * self._weight_pass_inputs(self.rank.chunks - 1) + exps
+        extra = max(self._weight_pass_inputs(i) for i in range(self.rank.chunks))
+        return self.rank.pending * extra
+
+    def _weight_pass_inputs(self, i: int) -> int:
+        """What chunk i of the rank keeps from its B pass for its W pass. torch's B
+        (`stage_backward_input`) keeps the graph (retain_graph) and the gradient reaching
+        each node a weight's gradient comes from: per layer the norms' output gradients
+        (fp32), q, k, v's, the out-projection's, fc1's (and gate's) and fc2's (the stage's
+        last fc2: the received gradient itself, where that is in the compute dtype and
+        whole); on the last stage the final norm's, the loss's exps freed (B consumed
+        them); the stage input's gradient (its `.grad`) and the received output gradient
+        (the p2p buffers count the running chunk's only). Stage 0 runs no B (its input
+        needs no gradient): its W is the whole backward, after which the received
+        gradient goes (measured)."""
+        s, stage = self.s, self.rank.ids[i]
+        last = self.rank.last and i == self.rank.chunks - 1
+        stream = s.r * s.Tr * s.h
+        if stage == 0:
+            return 0 if last else stream
+        heads = s.hq + 2 * s.hkv + (s.hq + s.hkv if s.qk_norm else 0)
+        layer = (2 * F32 * s.Tr * s.h + s.e * s.T * heads * s.d + 2 * s.e * s.T * s.h
+                 + (2 if s.swiglu else 1) * s.e * s.T * s.f)
+        out = layer * self.rank.stage_layers[i] + stream
+        if not last:
+            shared = s.e * s.T * s.h if s.e == s.r and not s.mega_sp else 0
+            return out + stream - shared
+        return out + F32 * (s.Tr * s.h + s.T) - (F32 * s.T * s.V if s.ce_kept else 0)
+
     def last_layer_kept(self) -> int:
         """What the last layer's backward frees (full: a recomputed group frees what it
         brought back, counted as transient)."""

@@ -76,7 +76,9 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
 
     In flight are `rank.in_flight` model chunks (micro-batches without virtual stages),
     each keeping 1/chunks of what a micro-batch keeps on this rank; the one whose
-    backward runs frees some of its own and adds temporaries (transient)."""
+    backward runs frees some of its own and adds temporaries (transient). Under
+    zero-bubble `rank.pending` of them also keep what their weight-gradient pass needs
+    (`_Activations.pending_kept`)."""
     unit, kept = acts.per_micro_batch() // rank.chunks, acts.per_micro_batch()
     flight, total = rank.in_flight, rank.m * rank.chunks
     later = flight if total > flight else flight - 1  # while forwards remain
@@ -87,6 +89,8 @@ def _moments(st: _States, acts: _Activations, rank: _RankLayout, other: int) -> 
                          "activations": act, "transient": transient + other}
 
     def both(name, act, transient, params, new_grads=(0, 0)):
+        # zero-bubble: the chunks waiting for their W pass
+        act += acts.pending_kept(head=name == "head backward")
         add(f"{name}, first", new_grads[0], (flight - 1) * unit + act, transient, params)
         if total > 1:
             add(f"{name}, later", st.grads_accumulated() + new_grads[1],
