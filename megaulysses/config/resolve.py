@@ -24,6 +24,7 @@ from megaulysses.config.rules import (check_grid, check_profile_ranks, check_rin
                                       pipeline_layout, pipeline_schedule, warmup_iters)
 from megaulysses.config.compat import MEGATRON_ATTENTION
 from megaulysses.config.rules_memory import check_fpdt
+from megaulysses.config.rules_offload import check_offload_grid
 from megaulysses.config.schedule import resolve_schedule, with_default_iters
 from megaulysses.config.schema import Config, LogConfig
 
@@ -76,6 +77,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                memory.tiled_mlp_chunks, memory.attention_head_groups)
     check_ring(dims, model)
     check_fpdt(dims, model, memory)  # rules_memory.py
+    check_offload_grid(dims, par)  # rules_offload.py
     check_profile_ranks(cfg.log, world_size)
     log = replace(cfg.log, wandb_save_dir=wandb_save_dir(cfg.log, t.save))
     # the iterations (from --train-samples: whole global batches, the ramp-up's included)

@@ -13,6 +13,7 @@ from typing import Optional
 from megaulysses.config.errors import ConfigError, require
 from megaulysses.config.grid import ParallelDims
 from megaulysses.config.rules_memory import check_head_groups, check_offload
+from megaulysses.config.rules_offload import check_param_offload
 from megaulysses.config.rules_optim import validate_optimizer
 from megaulysses.config.rules_rope import validate_rope
 from megaulysses.config.schedule import (check_micro_batches, check_schedule_flags,
@@ -35,6 +36,7 @@ def validate(cfg: Config) -> None:
     _validate_observability(cfg.log, cfg.train.save)
     _validate_pipeline(cfg.parallel)
     validate_optimizer(cfg)  # rules_optim.py
+    check_param_offload(cfg)  # rules_offload.py
     backend = cfg.model.attention_backend
     # Needs no device, so --dry-run refuses it too (the trainer checks the rest: which
     # backend this device runs, for the mask).

@@ -152,6 +152,11 @@ class ParallelConfig:
         False, "with --optimizer-cpu-offload: copy each bucket's gradients to the host as its "
         "reduction ends, and its updated weights back, asynchronously (CUDA streams; on a "
         "CPU there is nothing to overlap)", action="store_true")
+    zero_param_offload: bool = option(  # ours: Megatron-LM has none (its offload is above)
+        False, "ZeRO-3 only: each unit's parameter and gradient shards, and so the optimizer "
+        "step, on the host (FSDP2's CPUOffloadPolicy; DeepSpeed's offload_param, torchtitan's "
+        "enable_cpu_offload); the 16-bit weights come to the device per unit for its forward "
+        "and backward", action="store_true")
     distributed_timeout_minutes: float = option(
         10.0, "a collective that waits longer than this (a rank died or hangs) fails, and every "
         "rank exits non-zero naming the rank(s) it lost", kind="number")
@@ -199,10 +204,10 @@ class MemoryConfig:
         "backward: the whole-sequence q, k, v and output exist for one group at a time; "
         "must divide the heads a rank attends over", kind="positive")
     ds_sequence_parallel_fpdt: bool = option(
-        False, "Ulysses attention by chunks of the sequence (FPDT): the all-to-alls and the "
-        "core run per chunk of --ds-sequence-parallel-fpdt-chunk-size tokens, so the "
-        "whole-sequence q, k, v, output and their gradients never exist at once; needs "
-        "Ulysses, no ring",
+        False, "attention by chunks of the sequence (FPDT): under Ulysses the all-to-alls "
+        "and the core, at sp 1 the core alone, run per chunk of "
+        "--ds-sequence-parallel-fpdt-chunk-size tokens, so the whole-sequence q, k, v, "
+        "output and their gradients never exist at once in the core; no ring",
         action="store_true")
     ds_sequence_parallel_fpdt_chunk_size: int = option(
         65536, "with --ds-sequence-parallel-fpdt: tokens of the whole sequence per chunk "

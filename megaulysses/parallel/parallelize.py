@@ -111,12 +111,14 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
                                      dims.tp > 1))
         comm.compiled = blocker is None  # DTensor's collectives uncounted (tensor.py)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+    # --zero-param-offload: FSDP2 keeps the ZeRO-3 shards on the host (zero_units.py)
+    offload = zero_mod.offload_policy(par.zero_param_offload and zero_stage == 3, device.type)
     if zero_stage >= 2:  # 5
         mp = zero_mod.mixed_precision(dtype, reduce_dtype)
-        zero_mod.shard_blocks(model, comm, zero_stage, mp, pipeline=layout is not None)
+        zero_mod.shard_blocks(model, comm, zero_stage, mp, layout is not None, offload)
         for root in stages or [model]:
-            zero_mod.shard_root(root, comm, mp)
-    model.to_empty(device=device)  # 6
+            zero_mod.shard_root(root, comm, mp, offload)
+    _materialize(model, device, host=zero_mod.offloads(offload))  # 6
     model.init_weights(cfg.train.seed, write=write_piece)  # 7
     model.train()
     pipeline = None
@@ -133,6 +135,20 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
                        _bucket_bytes(par, model), grad_buffer_dtype(cfg),
                        fuses_weight_gradients(cfg))
     return Parallelized(model, pipeline, zero, zero_stage)
+
+
+def _materialize(model: nn.Module, device: torch.device, host: bool) -> None:
+    """Allocate this rank's shards on `device`; under --zero-param-offload on the host
+    (FSDP2 refuses offloaded shards allocated elsewhere), buffers still on `device`."""
+    model.to_empty(device="cpu" if host else device)
+    if host:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)  # keeps its persistence
+        log.info("--zero-param-offload: each ZeRO-3 unit's fp32 parameter and gradient "
+                 "shards and the optimizer states on the host%s; a unit's weights come to "
+                 "%s for its forward and backward", " (pinned)" if device.type == "cuda"
+                 else "", device.type)
 
 
 @torch.no_grad()

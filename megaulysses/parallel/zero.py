@@ -16,7 +16,9 @@ rank falls by N, not by dp alone (the Ulysses paper's second idea).
              before its backward and freed after each; the next block's all-gather is
              issued while the current one computes (prefetch); so are the embedding and
              the head of an untied model, the root unit holding nothing then
-             (zero_units.py: the units, and why a tied model's stay in the root)
+             (zero_units.py: the units, and why a tied model's stay in the root);
+             --zero-param-offload keeps the shards, their gradients and so the
+             optimizer's states on the host (zero_units.offload_policy)
 
 Every stage cuts a parameter's local tensor (its tensor-parallel shard) along dim 0 into
 N pieces the way torch.chunk does (`RowShard`), FSDP2's own layout, so optimizer states
@@ -49,7 +51,10 @@ from megaulysses.parallel.dims import DP_SP, TP
 from megaulysses.parallel.grad_norm import GradPart
 from megaulysses.parallel.grad_reduce import (BUCKET_MB, GradReducer, RowShard, _local,
                                               _storage_bytes)
-from megaulysses.parallel.zero_units import shard_blocks, shard_root  # noqa: F401 (FSDP2 units)
+from megaulysses.parallel.zero_units import (host_tensors, mark_host_grads,
+                                             mark_host_states)
+from megaulysses.parallel.zero_units import (offload_policy, offloads,  # noqa: F401
+                                             shard_blocks, shard_root)  # (FSDP2 units)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -244,6 +249,12 @@ class Zero:
                       if isinstance(m, FSDPModule)]
         self.peak: dict = {}  # most bytes held at the moments observed since pop_peak()
         self.at_step: dict = {}  # bytes held right after the last optimizer step
+        # --zero-param-offload (zero_units.offload_policy): FSDP2 keeps these units'
+        # shards, their gradients and so the optimizer's states on the host
+        self.host_offload = any(fp.offload_to_cpu for fp in self._fsdp_params())
+        if self.host_offload:
+            mark_host_grads(self.params, comm)
+            self.mark_host()
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -304,6 +315,7 @@ class Zero:
 
     def step(self) -> None:
         self.optimizer.step()
+        self.mark_host()  # AdamW makes its states at the first step
         self.at_step = self.observe()  # gradients and optimizer states are all here now
 
     def zero_grad(self) -> None:
@@ -325,8 +337,13 @@ class Zero:
         """Bytes of model states this rank holds now, from the tensors themselves (each
         storage once, at its allocated size, padding included): `params` (FSDP: the
         shards and any gathered copies still allocated), `grads` (ZeRO-1: also the
-        reduced rows; FSDP: also unsharded gradients being accumulated), `optim`."""
+        reduced rows; FSDP: also unsharded gradients being accumulated), `optim`; under
+        --zero-param-offload `host`: the shards, their gradients and AdamW's states
+        (the other kinds then hold what is on the device)."""
         seen: set = set()
+        # --zero-param-offload: the shards, their gradients and AdamW's states, first
+        host = sum(_storage_bytes(t, seen) for t in host_tensors(self.params, self.optimizer)
+                   if self.host_offload)
         params = sum(_storage_bytes(p, seen) for p in self.params)
         if self.own is not None:
             return {"params": params, **self.own.held_bytes(seen)}
@@ -340,9 +357,16 @@ class Zero:
             grads += sum(_storage_bytes(g, seen) for g in self.reducer.shard_grads.values())
         optim = sum(_storage_bytes(v, seen) for state in self.optimizer.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor))
-        return {"params": params, "grads": grads, "optim": optim}
+        return {"params": params, "grads": grads, "optim": optim,
+                **({"host": host} if self.host_offload else {})}
+
+    def mark_host(self) -> None:
+        """--zero-param-offload: the host's shards and states marked (zero_units.py)."""
+        if self.host_offload:
+            mark_host_states(self._fsdp_params(), self.optimizer)
 
     def observe(self) -> dict:
+        self.mark_host()
         held = self.held_bytes()
         for kind, n in held.items():
             self.peak[kind] = max(self.peak.get(kind, 0), n)

@@ -27,20 +27,43 @@ when the head needs it.
 
 Under pp no unit is resharded inside a step (a pipeline stage runs many forwards and
 backwards interleaved): the units stay as they were, blocks and one root per stage.
+
+--zero-param-offload (`offload_policy`): every unit's fp32 shards and their gradients live
+on the host (pinned beside a GPU), so AdamW steps there; FSDP2 copies a unit's shard to
+the device before its all-gather (with the prefetch) and its reduced gradient shard back
+after its reduce-scatter. Under pp that happens once a step (the gathered stage stays).
 """
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator, Optional
+
+import torch
 import torch.nn as nn
-from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
-                                    register_fsdp_forward_method)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard, register_fsdp_forward_method)
 
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
+from megaulysses.parallel.grad_reduce import _local
+from megaulysses.parallel.host_memory import mark_host
+
+
+def offload_policy(on: bool, device_type: str) -> OffloadPolicy:
+    """--zero-param-offload: FSDP2 keeps each unit's fp32 parameter and gradient shards on
+    the host (the optimizer steps them there), copies the shard to the device for the
+    unit's all-gather and the reduced gradient back. Pinned beside a GPU (asynchronous
+    copies); on a CPU device the shards are host memory already, and pinning needs CUDA."""
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if on else OffloadPolicy()
+
+
+def offloads(policy: OffloadPolicy) -> bool:
+    """Does `policy` put the shards on the host?"""
+    return isinstance(policy, CPUOffloadPolicy)
 
 
 def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
-                 pipeline: bool) -> None:
+                 pipeline: bool, offload: Optional[OffloadPolicy] = None) -> None:
     """fully_shard every transformer block this rank holds over dp x sp, and under stage 3
     without pp the embedding and the head of an untied model (`separate_ends`). Stage 3
     frees a unit's gathered parameters after its forward (and gathers the next one early);
@@ -51,7 +74,8 @@ def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPol
     if ends:
         units = [model.embed] + units + [model.head]
     for unit in units:
-        fully_shard(unit, mesh=comm.mesh(DP_SP), reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(unit, mesh=comm.mesh(DP_SP), reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload or OffloadPolicy())
         _configure(unit, comm)
     if reshard:
         for prev, nxt in zip(units, units[1:]):
@@ -80,11 +104,13 @@ def separate_ends(model: nn.Module) -> bool:
             and head.output is not None)
 
 
-def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy) -> nn.Module:
+def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy,
+               offload: Optional[OffloadPolicy] = None) -> nn.Module:
     """fully_shard the parameters of `module` no other unit holds (the whole GPT, or a
     pipeline stage): the root unit. Kept gathered from forward to backward, which starts
     with them."""
-    fully_shard(module, mesh=comm.mesh(DP_SP), reshard_after_forward=False, mp_policy=mp)
+    fully_shard(module, mesh=comm.mesh(DP_SP), reshard_after_forward=False, mp_policy=mp,
+                offload_policy=offload or OffloadPolicy())
     _configure(module, comm)
     return module
 
@@ -95,3 +121,40 @@ def _configure(module: FSDPModule, comm: Comm) -> None:
     all_gather, reduce_scatter = comm.fsdp_collectives()
     module.set_custom_all_gather(all_gather)
     module.set_custom_reduce_scatter(reduce_scatter)
+
+
+# -- --zero-param-offload: what is on the host, for the live-bytes tracker ----------------
+
+def mark_host_states(fsdp_params: Iterable, optimizer) -> None:
+    """The offloaded shards and AdamW's states as host memory (parallel/host_memory.py):
+    on a CPU device nothing else tells them from device memory. FSDP2 swaps a shard's
+    tensor at its lazy init (padding, pinning) and AdamW makes its states at the first
+    step: marked again at each moment `Zero` observes (each storage once)."""
+    for fp in fsdp_params:
+        mark_host(fp._sharded_param_data)
+        mark_host(_local(fp.sharded_param))
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                mark_host(v)
+
+
+def mark_host_grads(params: list, comm: Comm) -> None:
+    """Each reduced gradient shard as host memory the moment FSDP2 hands it over (FSDP2
+    runs these hooks itself). On a CPU device it is a view of the reduce-scatter's output,
+    marked with it. Not on CUDA: there it is a pinned host tensor already, and such a hook
+    would make FSDP2 wait for each copy to the host."""
+    if comm.meshes and comm.meshes["world"].device_type == "cuda":
+        return
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: mark_host(_local(q.grad)))
+
+
+def host_tensors(params: list, optimizer) -> Iterator[torch.Tensor]:
+    """What --zero-param-offload keeps on the host: the shards, their gradients, AdamW's
+    states."""
+    for p in params:
+        yield p
+        yield p.grad
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))

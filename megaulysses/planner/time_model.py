@@ -41,7 +41,9 @@ Time of one iteration, on the slowest of those stages:
              28 bytes a local fp32 parameter, at the HBM bandwidth; with
              --optimizer-cpu-offload, the host's share at `host_adam_gparams`, and its
              rows over the host link (`host_gbps`) down and back (down hidden with
-             --overlap-cpu-optimizer-d2h-h2d).
+             --overlap-cpu-optimizer-d2h-h2d); with --zero-param-offload all of it on
+             the host, its copies, unit by unit, hidden behind the step's compute
+             as far as it lasts (`_param_link_seconds`, counted with ZeRO's time).
 Each (group, kind) of the plan's communication bytes (exactly what comm.py counts) crosses
 the link its group spans on the mesh (pp, dp, cp, sp, tp; tp fastest): NVLink when the
 group is inside a node; otherwise InfiniBand, or for an all-to-all the share of its peers
@@ -163,7 +165,8 @@ def _stage_time(cfg: Config, dims: ParallelDims, gpu: GPU, plan: MemoryPlan,
     par, half = cfg.parallel, cfg.train.bf16 or cfg.train.fp16
     overlap_gather = par.overlap_param_gather and par.use_distributed_optimizer and half
     zero_hidden, zero_shown = _zero_seconds(comm_s, plan.zero_stage, overlap_gather)
-    zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown
+    zero_s = max(0.0, zero_hidden - m * compute_mb) + zero_shown + _param_link_seconds(
+        plan, gpu, m * compute_mb)
     optimizer = ADAM_BYTES * _adam_params(cfg, plan) / (gpu.hbm_gbps * 1e9) + _host_step(
         cfg, plan, gpu)
     offload = m * _offload_seconds(plan, gpu, compute_mb)
@@ -242,6 +245,14 @@ def _host_step(cfg: Config, plan: MemoryPlan, gpu: GPU) -> float:
     link = plan.host_link_bytes / (gpu.host_gbps * 1e9)
     adam = plan.host_bytes / 16 / (gpu.host_adam_gparams * 1e9)  # 16 bytes a parameter
     return adam + link * (1 if cfg.parallel.overlap_cpu_optimizer_d2h_h2d else 2)
+
+
+def _param_link_seconds(plan: MemoryPlan, gpu: GPU, compute_s: float) -> float:
+    """--zero-param-offload: what of the units' copies over the host link (`host_gbps`;
+    each unit's shard up before its all-gather, its reduced gradient shard down) the
+    step's compute does not hide. FSDP2 issues them with the prefetched all-gathers and
+    the reduce-scatters, on another link than those (the collectives' term is apart)."""
+    return max(0.0, plan.param_link_bytes / (gpu.host_gbps * 1e9) - compute_s)
 
 
 def _offload_seconds(plan: MemoryPlan, gpu: GPU, compute_mb: float) -> float:

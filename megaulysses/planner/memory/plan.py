@@ -69,7 +69,7 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         moments={k: sum(v.values()) for k, v in moments.items()}, layer_terms=acts.terms,
         comm_bytes=bytes_by_kind(by_group), comm_by_group=by_group,
         recomputed_layers=acts.rerun[0], host_bytes=states.host,
-        host_link_bytes=states.host_link,
+        host_link_bytes=states.host_link, param_link_bytes=states.param_link_bytes(rank.m),
         # every in-flight micro-batch (model chunk) keeps its share of the stage's copies
         offload_bytes=acts.host * rank.in_flight // rank.chunks + acts.fpdt_host,
         offload_link_bytes=(acts.host + acts.fpdt_link) * rank.m)

@@ -34,8 +34,12 @@ class MemoryPlan:
     comm_by_group: dict = field(default_factory=dict)  # (mesh dim, kind) -> bytes/iteration
     attention: str = ""  # the attention core the plan assumes, in words
     recomputed_layers: int = 0  # layers whose forward runs again per micro-batch (full)
-    host_bytes: int = 0  # on the host, beside the device (--optimizer-cpu-offload)
+    host_bytes: int = 0  # on the host, beside the device (--optimizer-cpu-offload,
+    # --zero-param-offload)
     host_link_bytes: int = 0  # copied to the host and back per step, each way
+    # --zero-param-offload: the units' shards up and gradient shards down per step (both
+    # ways together), issued with the prefetched collectives
+    param_link_bytes: int = 0
     offload_bytes: int = 0  # activations in host memory at the peak (--cpu-offloading-*)
     offload_link_bytes: int = 0  # activations copied to the host and back per step, each way
 
@@ -61,7 +65,12 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"  activations kept per layer: {mib(plan.activation_bytes_per_layer)}"
                  + (f" (recomputed, a layer holds {mib(held)} in its backward: {terms})"
                     if held != plan.activation_bytes_per_layer else f" ({terms})"))
-    if plan.host_bytes:
+    if plan.param_link_bytes:
+        lines.append(f"  host memory (--zero-param-offload): {mib(plan.host_bytes)} of "
+                     "parameter and gradient shards and optimizer states, not in the peak; "
+                     f"{mib(plan.param_link_bytes)} per step over the host link (shards up, "
+                     "gradients down, unit by unit)")
+    elif plan.host_bytes:
         lines.append(f"  host memory (--optimizer-cpu-offload): {mib(plan.host_bytes)}, not in "
                      f"the peak; {mib(plan.host_link_bytes)} each way per step over the host "
                      "link")

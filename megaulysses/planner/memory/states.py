@@ -17,6 +17,9 @@ along dim 0 into ceil(rows/N)-row pieces.
                 the head's unsharded ones (its reduce-scatter input when it is a unit
                 of its own) through the last layer's backward
     optimizer   AdamW's two fp32 moments of the rank's rows + 4 bytes of step per tensor
+    host        --zero-param-offload (stage 3): the parameter pieces, their gradient pieces
+                and the optimizer's states on the host (`host`), none on the device; the
+                units' copies over the host link (`param_link_bytes`)
     distributed --use-distributed-optimizer under bf16/fp16 (stage <= 1): 16-bit weights
     optimizer   P/2, the gradient buffer P (P/2 in bf16) from the first backward on,
                 fp32 main weights and moments of the rows (3 x rows), and at the step
@@ -162,6 +165,12 @@ class _States:
         if self.dist_opt:
             self._distributed_optimizer(cfg, self.local if n == 1 else everything.rows,
                                         block, len(params))
+        # --zero-param-offload (FSDP2's CPUOffloadPolicy): ZeRO-3's shards on the host
+        self.param_offload = stage == 3 and n > 1 and cfg.parallel.zero_param_offload
+        self.param_link = 0  # bytes the units' copies move over the host link: per
+        # micro-batch (per step under pp; `param_link_bytes`)
+        if self.param_offload:
+            self._param_offload()
 
     def _distributed_optimizer(self, cfg: Config, rows: int, block: list,
                                tensors: int) -> None:
@@ -195,6 +204,25 @@ class _States:
         self.optimizer -= 3 * host + F32 * int(f * tensors)
         self.main_grads -= host if self.main_grads else 0
 
+    def _param_offload(self) -> None:
+        """--zero-param-offload: every fp32 parameter shard, its gradient shard (fp32: the
+        parameter's dtype) and AdamW's states live on the host, which steps them; the
+        device holds what FSDP2 brings in (the gathered units: `gathered`) and what a
+        unit's reduce-scatter makes before its output goes down (`block_reduce_scatter`).
+        Over the host link per step: each gather's input, the fp32 shard, up (stage 3: the
+        root once and each block twice per micro-batch; under pp once), and each
+        reduce-scatter's output, in the reduce dtype, down (per micro-batch; under pp
+        once). FSDP2 issues both with its prefetched collectives (`param_link`)."""
+        self.host = 2 * self.piece + self.optimizer
+        self.optimizer = self.held_params = 0
+        up = self.piece if self.pipeline else self.root_piece + 2 * (self.piece - self.root_piece)
+        self.param_link = up + self.piece * self.reduce_e // F32
+
+    def param_link_bytes(self, m: int) -> int:
+        """--zero-param-offload's bytes over the host link per step, both ways together,
+        with `m` micro-batches (FSDP gathers and reduces once a step under pp)."""
+        return self.param_link * (1 if self.pipeline else m)
+
     @property
     def fsdp_per_block(self) -> bool:
         """Stages 2/3 without pp: FSDP gathers and reduce-scatters block by block, every
@@ -205,7 +233,9 @@ class _States:
         """Gradients held after a micro-batch's backward, before the step's last one."""
         if self.dist_opt:
             return self.buffer
-        return self.piece if self.fsdp_per_block else self.local
+        if self.fsdp_per_block:  # the shards: on the host under --zero-param-offload
+            return 0 if self.param_offload else self.piece
+        return self.local
 
     def gathered(self, blocks: int, head: bool = False) -> int:
         """Parameters FSDP holds unsharded (compute dtype): everything (stage 2, and 2/3
