@@ -10,7 +10,12 @@ dtypes and devices; no memory, no arithmetic). What fails as on CUDA:
   a 0-dim CPU tensor passes elementwise ops, as on CUDA, but not cat or stack);
 - a collective on a CPU tensor (NCCL takes device tensors only);
 - autocast: the matmuls and attention run in the 16-bit dtype, as CUDA's autocast casts
-  them, so dtype mismatches there fail too.
+  them (a weight once per autocast region, as its cache does), so dtype mismatches there
+  fail too.
+
+What a step allocates is CUDA's too, where torch would otherwise decompose an op for want
+of a device kernel (silu's backward: `OWN_BACKWARD_KERNELS`), so the live bytes of a fake
+rank can be compared with the memory plan (training/fake_cuda.py).
 
     with fake_rank(rank=1, world=2):
         trainer = Trainer(parse_args(flags))     # everything on fakeaccel
@@ -45,6 +50,7 @@ parallelism) plans its blocks with `nonzero`, so it cannot run here.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -141,7 +147,20 @@ def _register_ops() -> torch.library.Library:
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
     lib.impl("empty.memory_format", empty, "PrivateUse1")
     lib.impl("copy_", copy_, "PrivateUse1")
+    for name in OWN_BACKWARD_KERNELS:
+        lib.impl(name, _empty_like_first, "PrivateUse1")
     return lib
+
+
+# Ops with a backend kernel on CPU and CUDA and a CompositeImplicitAutograd decomposition:
+# a device without the kernel gets the decomposition under autograd (sigmoid, 1 - s, and
+# three products for silu's backward: temporaries CUDA never allocates). A kernel here
+# gives autograd CUDA's path; under the fake mode only its meta function runs.
+OWN_BACKWARD_KERNELS = ("silu_backward", "mish_backward")
+
+
+def _empty_like_first(grad_output, *args):
+    return torch.empty_like(grad_output)
 
 
 # What CUDA's autocast runs in the 16-bit dtype (torch's list, less what a GPT never calls).
@@ -173,11 +192,48 @@ def _autocast_kernel(packet):
         def cast(a):  # as CUDA's: floating tensors of the device, not fp64
             eligible = isinstance(a, torch.Tensor) and a.device.type == NAME and \
                 a.is_floating_point() and a.dtype != torch.float64
-            return a.to(dtype) if eligible else a
+            if not eligible:
+                return a
+            if not (a.is_leaf and a.requires_grad and torch.is_autocast_cache_enabled()):
+                return a.to(dtype)
+            return _cached_cast(a, dtype)
 
         with torch._C._ExcludeDispatchKeyGuard(skip):
             return packet(*tree_map(cast, args), **tree_map(cast, kwargs))
     return kernel
+
+
+# id(weight) -> (a weak reference to it, its cast): CUDA's autocast casts a leaf that
+# requires grad (a weight) once per autocast region, however many matmuls (and pipeline
+# micro-batches) read it; `torch.autocast` empties the cache when its outermost region
+# ends (`torch.clear_autocast_cache`, wrapped in `fake_rank`).
+_CASTS: dict = {}
+
+
+def _cached_cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    hit = _CASTS.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1].dtype == dtype:
+        return hit[1]
+    cast = w.to(dtype)
+    _CASTS[id(w)] = (weakref.ref(w), cast)
+    return cast
+
+
+@contextlib.contextmanager
+def _autocast_cache():
+    """Our autocast's cache emptied with torch's own."""
+    clear = torch.clear_autocast_cache
+
+    def clear_both():
+        _CASTS.clear()
+        clear()
+
+    torch.clear_autocast_cache = clear_both
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache = clear
+        _CASTS.clear()
 
 
 class _FakeMode(FakeTensorMode):
@@ -330,7 +386,7 @@ def fake_rank(rank: int = 0, world: int = 1) -> Iterator[torch.device]:
     dist.init_process_group(f"{NAME}:fake", store=FakeStore(), rank=rank,
                             world_size=world)
     try:
-        with _outside_fake_mode(), devices.use(device), \
+        with _outside_fake_mode(), _autocast_cache(), devices.use(device), \
                 _FakeMode(allow_non_fake_inputs=True), _Values():
             yield device
     finally:

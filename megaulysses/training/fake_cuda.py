@@ -1,0 +1,313 @@
+"""The fake accelerator taken for CUDA: the memory plan's CUDA branch checked on a CPU-only
+torch (issue 40, item 4).
+
+    with fake_cuda_rank(rank=1, world=2):
+        trainer = Trainer(parse_args(flags))   # every tensor a FakeTensor on "fakeaccel"
+        ...                                    # the model chooses its kernels as on CUDA
+
+    python -m megaulysses.training.fake_cuda    # the table: measured vs planned (cuda)
+
+The device must exist before the process runs any backward (autograd sizes its device
+queues once): a process of its own, as tests/training/test_fake_cuda_plan.py spawns.
+
+Why not FakeTensors on device "cuda" itself: `FakeTensorMode` makes them on a CPU-only
+build, and their forward ops run, but the first autograd node on one aborts the process
+(`AccumulateGrad` asks for the CUDA device guard, which a CPU build does not link:
+"PyTorch is not linked with support for cuda devices", a C++ `terminate`). So the rank is
+fake_device.py's PrivateUse1 device, and what the model and torch decide by "is it CUDA"
+is made to answer yes (`as_cuda`):
+
+- attention: `select_backend` and its checks see a CUDA device (`auto`: SDPA for plain
+  causal; no flash_attn package here, as the plan assumes for that path);
+  `sdpa_repeats_kv` and the fused ring/FPDT step (`fused._choose`) take CUDA's branch;
+- SDPA: a kernel at the device's autograd key picks what CUDA's `sdp_utils` picks on an
+  H100 (flash for 16-bit with head dim up to 256, padded to a multiple of 8, GQA
+  included; else the memory-efficient kernel, head dim a multiple of 4 (fp32) or 8, no
+  GQA; else math, explicit scores) and calls that aten op, so autograd saves
+  what it saves on CUDA (q, k, v, out, the logsumexp, the RNG seed and offset) and the
+  backward is its `_backward` op; their shapes come from torch's meta functions;
+- what is CUDA's already on any PrivateUse1 device: dropout is `native_dropout` (a
+  1-byte mask, `is_fused_kernel_acceptable`), AdamW is fused, the cross entropy's
+  chunks have CUDA's budget (any device but the CPU), autocast casts as fake_device.py
+  registers it.
+
+Not faked, so neither measured here nor in the plan (each only while its kernel runs):
+- the flash backward's own buffers, allocated inside `mha_bwd` (at::empty: the caching
+  allocator's, so in torch.cuda.max_memory_allocated): fp32 `dq_accum`,
+  b*s_rounded*hq*d_rounded, and `softmax_d`, b*hq*s_rounded (s rounded to 128, d to 32):
+  2x q's 16-bit bytes and a little more; under GQA also its dk, dv expanded to the hq
+  heads (b*s*hq*d each, 16-bit) before they are summed to the kv heads. The efficient
+  backward's fp32 dq accumulator, 2x q's 16-bit bytes. `unfaked_attention_backward`
+  gives them per call; the test's table shows them beside each grid. At the headline
+  grids they are large (Ulysses runs the core on the whole sequence): Llama-3-8B on
+  8 H100 at 6,029,312 tokens (sp 8: 4 q heads, 1 kv head a rank) 23.1 GiB on top of
+  the plan's core backward moment (72.4 GiB -> 95.5); on 32 H100 at 22,282,240 tokens
+  10.7 GiB (75.5 -> 86.2);
+- pinned host memory: `pin_memory()` has no fake kernel (NYI), and the device is not
+  CUDA, so the offloads' host copies are plain host tensors. The bytes are the same
+  (pinning changes where the pages are locked, not how many), and the plan has no
+  CUDA-only host term; what it does not show is the CUDA caching host allocator's
+  rounding of each pinned block up to a power of two (up to 2x per block, host only);
+- the CUDA caching allocator's rounding (512-byte blocks, 2 MiB segments) and
+  fragmentation, cuBLAS/cuDNN workspaces, NCCL's buffers, the CUDA context: none is a
+  tensor; the plan's usable memory (hardware.py's reserve) stands for them;
+- side streams: activation offload copies on the default stream here; on CUDA its copy
+  runs on a side stream, and a device tensor it copies lives until the copy's event
+  (the overlap's extra lifetime is not measured here);
+- the flash_attn package's kernels (not installed here: `auto` on CUDA without it is
+  torch's SDPA, as the plan's sdpa branch assumes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import warnings
+from typing import Iterator
+
+import torch
+
+from megaulysses.training import fake_device
+
+HALF = (torch.float16, torch.bfloat16)
+MIB = 2 ** 20
+
+
+def unfaked_attention_backward(b: int, s: int, hq: int, hkv: int, d: int,
+                               dtype: torch.dtype) -> int:
+    """Bytes the CUDA attention backward allocates inside its kernel (not a tensor that
+    the fake rank sees) for one call on [b, s, hq, d] queries: flash's fp32 dq
+    accumulator and softmax_d (rounded to 128 rows, head dim to a multiple of 32), and
+    under GQA its dk, dv over all hq heads; the efficient kernel's fp32 dq accumulator."""
+    rows = -(-s // 128) * 128
+    if dtype in HALF and d <= 256:
+        extra = 4 * b * rows * hq * (-(-d // 32) * 32) + 4 * b * hq * rows
+        return extra + (2 * 2 * b * s * hq * d if hq != hkv else 0)
+    return 4 * b * s * hq * d
+
+
+# -- the device as CUDA -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def as_cuda() -> Iterator[None]:
+    """Inside: the model's CUDA-or-not choices treat the fake accelerator as CUDA, and SDPA
+    on it runs CUDA's kernels' meta functions (the module doc)."""
+    from megaulysses.model.attention import backends, fused, kernels
+    saved = (backends._auto, backends._check, kernels.sdpa_repeats_kv, fused._choose)
+    auto, check, repeats, choose = saved
+    backends._auto = lambda device, *a, **k: auto(_cuda(device), *a, **k)
+    backends._check = lambda name, backend, device, *a: check(name, backend, _cuda(device),
+                                                              *a)
+    kernels.sdpa_repeats_kv = lambda device_type, *a: repeats(_cuda_type(device_type), *a)
+    fused._choose = lambda device, *a: choose(_cuda_type(device), *a)
+    fused._pick.cache_clear()  # memoized per device name
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", _sdpa_as_on_cuda, "AutogradPrivateUse1")
+    try:
+        yield
+    finally:
+        lib._destroy()
+        backends._auto, backends._check, kernels.sdpa_repeats_kv, fused._choose = saved
+        fused._pick.cache_clear()
+
+
+def _cuda(device: torch.device) -> torch.device:
+    return torch.device("cuda") if device.type == fake_device.NAME else device
+
+
+def _cuda_type(device_type: str) -> str:
+    return "cuda" if device_type == fake_device.NAME else device_type
+
+
+def _sdpa_as_on_cuda(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                     scale=None, enable_gqa=False):
+    """torch's SDPA as CUDA runs it on an H100 (sdp_utils' order: flash, memory-efficient,
+    math), each op called here so that autograd records it and saves its outputs."""
+    aten = torch.ops.aten
+    d, half = q.shape[-1], q.dtype in HALF
+    gqa = enable_gqa and q.shape[-3] != k.shape[-3]
+    if attn_mask is None and half and d <= 256:
+        pad = -d % 8  # CUDA's SDPA pads q, k, v to a multiple of 8 for flash (copies)
+        scale = d ** -0.5 if scale is None and pad else scale
+        q, k, v = (torch.nn.functional.pad(t, (0, pad)) if pad else t for t in (q, k, v))
+        out = aten._scaled_dot_product_flash_attention(  # [b, h, s, d] and the lse
+            q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return out[..., :d] if pad else out
+    if not gqa and d % (8 if half else 4) == 0:
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]
+    return aten._scaled_dot_product_attention_math(
+        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale,
+        enable_gqa=enable_gqa)[0]
+
+
+@contextlib.contextmanager
+def fake_cuda_rank(rank: int = 0, world: int = 1) -> Iterator[torch.device]:
+    """fake_device.fake_rank, the device taken for CUDA."""
+    with fake_device.fake_rank(rank, world) as device, as_cuda():
+        yield device
+
+
+# -- measured against the plan --------------------------------------------------------------
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+# tests/parallel/test_memory_plan.py's small model (2 layers, hidden 64, 4 heads, seq 256,
+# micro-batch 2), one step measured after one that creates AdamW's states; one micro-batch
+# a step (a fake op costs the same at any size: fewer ops, a faster test)
+BASE = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "2",
+                "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+                "--log-interval", "100", "--generate", "0", "--peak-tflops", "1",
+                "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
+                "--num-workers", "0"]  # no loader workers forked inside the fake mode
+SP2, PP2 = ["--ds-sequence-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+FULL, BF16 = ["--recompute-granularity", "full"], ["--bf16"]
+GQA2 = ["--group-query-attention", "--num-query-groups", "2"]
+GRIDS = {  # name: (world, ranks measured, flags)
+    "plain, fp32 (efficient kernel)": (1, [0], []),
+    "plain, bf16, GQA, dropout 0.1 (flash, 1-byte masks)": (1, [0], BF16 + GQA2 + [
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
+    "sp2, full, activation offload 1 layer, bf16": (2, [1], SP2 + FULL + BF16 + [
+        "--cpu-offloading-num-layers", "1"]),
+    "sp2, FPDT 2 chunks, offloading, ZeRO-3, full, bf16": (2, [1], SP2 + FULL + BF16 + [
+        "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size", "256",
+        "--ds-sequence-parallel-fpdt-offloading", "--zero-stage", "3"]),
+    "dp2, distributed optimizer, offload 0.5, bf16": (2, [1], BF16 + [
+        "--global-batch-size", "4", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction", "0.5", "--grad-reduce-in-bf16"]),
+    "pp2 1f1b, 4 micro-batches, bf16": (2, [0, 1], PP2 + BF16 + [
+        "--global-batch-size", "8"]),
+}
+
+
+def measure_all(grids: dict = GRIDS) -> dict:
+    """{(grid, rank): (measured peak bytes, planned peak bytes, plan's peak moment)}, or
+    the traceback of the grid's error, one grid after another in this process."""
+    import traceback
+    logging.disable(logging.INFO)
+    warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+    out = {}
+    for name, (world, ranks, flags) in grids.items():
+        for rank in ranks:
+            try:
+                out[name, rank] = measure(BASE + flags, world, rank)
+            except Exception:
+                out[name, rank] = traceback.format_exc()
+    return out
+
+
+def measure(flags: list, world: int = 1, rank: int = 0) -> dict:
+    """`rank` of `world`: "measured", the real Trainer's second step on the fake CUDA rank
+    (bytes held before it + its peak live bytes); "planned", "moment", plan_memory's cuda
+    branch (what `--dry-run --dry-run-device cuda` prints) for the same flags and
+    pipeline rank; "kernels", the attention and dropout kernels the step ran;
+    "unfaked", `unfaked_attention_backward` of one of its attention calls."""
+    from megaulysses.config import parse_args
+    from megaulysses.parallel.dims import CP, PP
+    from megaulysses.planner.memory import plan_memory
+    from megaulysses.training.trainer import Trainer
+    with fake_cuda_rank(rank, world):
+        trainer = Trainer(parse_args(flags))
+        with _Kernels() as kernels:
+            measured = measured_peak(trainer)
+        cfg, dims = trainer.cfg, trainer.dims
+        pp_rank, cp_rank = trainer.comm.rank(PP), trainer.comm.rank(CP)
+        del trainer
+        gc.collect()
+    plan = plan_memory(cfg, dims, pp_rank, "cuda", cp_rank=cp_rank)  # plain arithmetic
+    core = max((v for k, v in plan.moments.items() if k.startswith("core backward")),
+               default=0)
+    return {"measured": measured, "planned": plan.peak_bytes, "moment": plan.peak_moment,
+            "kernels": sorted(kernels.seen), "unfaked": kernels.unfaked,
+            # what the unfaked buffers may add to the plan's peak: the attention
+            # backward's moment with them, where it passes the peak
+            "uncertain": max(0, core + kernels.unfaked - plan.peak_bytes)}
+
+
+class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """The attention and dropout kernels that run (a dropout's by its mask's dtype), and
+    the largest unfaked backward buffer of one attention call."""
+
+    NAMES = {"_scaled_dot_product_flash_attention": "flash",
+             "_scaled_dot_product_efficient_attention": "efficient",
+             "_scaled_dot_product_attention_math": "math",
+             "_flash_attention_forward": "flash", "_efficient_attention_forward": "efficient"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.unfaked = set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.NAMES:
+            self.seen.add(self.NAMES[name])
+            q, k = args[0], args[1]  # [b, h, s, d] (the _forward ops: [b, s, h, d])
+            b, h, s, d = q.shape if "scaled" in name else (q.shape[0], q.shape[2],
+                                                          q.shape[1], q.shape[3])
+            hk = k.shape[1] if "scaled" in name else k.shape[2]
+            self.unfaked = max(self.unfaked, unfaked_attention_backward(
+                b, s, h, hk, d, q.dtype))
+        elif name == "native_dropout":
+            self.seen.add(f"dropout mask {str(out[1].dtype).removeprefix('torch.')}")
+        return out
+
+
+def measured_peak(trainer) -> int:
+    """Bytes held on the device before the second step (parameters, buffers, optimizer
+    states, the distributed optimizer's buffers, the step's micro-batches) + the peak
+    live bytes that step allocated: tests/parallel/test_memory_plan.py's measure."""
+    import megaulysses.training.step as tr
+    from megaulysses.training.live_bytes import LiveBytes, storage_bytes
+    t = trainer.cfg.train
+
+    def step(batches):
+        tr.train_step(trainer.model, batches, trainer.zero, trainer.scaler, t.clip_grad,
+                      trainer.device, trainer.dtype, trainer.comm, trainer.pipeline)
+
+    step(trainer.train_data.micro_batches(0))
+    batches = trainer.train_data.micro_batches(t.global_batch_size)
+    opt = trainer.optimizer
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    own = [b.grads for b in getattr(opt, "buckets", [])] + list(
+        getattr(opt, "views", {}).values())
+    held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
+                         + states + own + [v for b in batches for v in b.values()]
+                         + _pipeline_buffers(trainer.pipeline), host=False)
+    gc.collect()
+    with LiveBytes() as mem:
+        step(batches)
+    return held + mem.peak
+
+
+def _pipeline_buffers(pipeline) -> list:
+    if pipeline is None:
+        return []
+    infos = [i for stage in pipeline.stages
+             for table in (stage.args_recv_info, stage.grad_recv_info)
+             for per_micro in table.values() for i in per_micro]
+    return [getattr(i, "buffer", None) for i in infos]
+
+
+def table(results: dict) -> str:
+    """The comparison, one line per (grid, rank), MiB."""
+    lines = [f"{'grid':<52} rank  measured   planned  ratio  unfaked  on peak  kernels",
+             "(MiB; unfaked: one attention backward's own buffers, % of the plan's peak; "
+             "on peak: what they may add to it)"]
+    for (name, rank), r in results.items():
+        if isinstance(r, str):
+            lines.append(f"{name:<52} {rank:>4}  error: {r.strip().splitlines()[-1]}")
+            continue
+        measured, planned = r["measured"], r["planned"]
+        lines.append(f"{name:<52} {rank:>4}  {measured / MIB:8.3f}  {planned / MIB:8.3f}  "
+                     f"{planned / measured:6.3f}  {100 * r['unfaked'] / planned:5.1f}%  "
+                     f"{100 * r['uncertain'] / planned:5.1f}%  "
+                     f"{', '.join(r['kernels'])}; peak at {r['moment']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(measure_all()))
