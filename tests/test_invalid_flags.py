@@ -442,8 +442,9 @@ INVALID = [
     row("zero-param-offload-dist-opt", ["--zero-param-offload", "--zero-stage", "3",
                                         "--use-distributed-optimizer", "--bf16"],
         "--zero-param-offload", "not with --use-distributed-optimizer"),
-    row("zero-param-offload-one-rank", ["--zero-param-offload", "--zero-stage", "3"],
-        "--zero-param-offload", "more than one data x sequence-parallel rank", world=1),
+    row("zero-param-offload-tp-only", ["--zero-param-offload", "--zero-stage", "3",
+                                       "--tensor-model-parallel-size", "2"],
+        "--zero-param-offload", "more than one data x sequence-parallel rank", world=2),
     # ---- recomputation
     row("recompute-method-alone", ["--recompute-method", "uniform"], "--recompute-method",
         "needs --recompute-granularity full (got no recomputation)"),

@@ -25,8 +25,10 @@ def check_param_offload(cfg: Config) -> None:
 
 
 def check_offload_grid(dims: ParallelDims, par) -> None:
-    """FSDP runs only where ZeRO shards over more than one rank (dp x cp x sp > 1; on one
-    such rank every stage is stage 0, with nothing to offload per unit)."""
-    require(not par.zero_param_offload or dims.dp * dims.seq_degree > 1, FLAG,
-            "needs more than one data x sequence-parallel rank (dp * cp * sp = 1: ZeRO, "
-            "and FSDP with it, is off on one such rank)")
+    """One data x sequence-parallel rank (dp * cp * sp = 1) only where it is the whole job:
+    one process runs FSDP2 over a world-1 group (dims.init_distributed's `alone`), the
+    units streaming from the host. Beside tp or pp ranks that path (FSDP2 over one rank of
+    a larger mesh, next to DTensor's tp shards or the pipeline stages) is not tested."""
+    require(not par.zero_param_offload or dims.dp * dims.seq_degree > 1 or dims.world == 1,
+            FLAG, "needs more than one data x sequence-parallel rank beside tensor or "
+            "pipeline parallelism (dp * cp * sp = 1 with tp * pp > 1; one GPU alone is fine)")

@@ -44,17 +44,21 @@ def build_mesh(dims: ParallelDims, device_type: str,
     return meshes
 
 
-def init_distributed(device: torch.device,
-                     timeout: timedelta = timedelta(minutes=10)) -> tuple[int, int]:
-    """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone.
-    A collective that waits longer than `timeout` raises (a rank died or hangs)."""
+def init_distributed(device: torch.device, timeout: timedelta = timedelta(minutes=10),
+                     alone: bool = False) -> tuple[int, int]:
+    """Join the job torchrun (or SLURM via torchrun) started; (rank, world). No-op alone,
+    unless `alone` (--zero-param-offload: FSDP2 needs a process group even on one rank):
+    then a world-1 group over an in-process store. A collective that waits longer than
+    `timeout` raises (a rank died or hangs)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     import os
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+    single = "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1
+    if single and not alone:
         return 0, 1
     backend = "nccl" if device.type == "cuda" else "gloo"
-    bound = {}
+    # one rank: no rendezvous (torchrun's MASTER_ADDR may be absent); a store in memory
+    bound: dict = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if single else {}
     if device.type == "cuda":
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(local)

@@ -73,7 +73,8 @@ class Parallelized:
     model: nn.Module  # this rank's GPT: only its parts, sharded, initialized, in train mode
     pipeline: Optional[Pipeline]  # pp > 1
     zero: Zero  # gradient reduction over dp x sp and the optimizer
-    zero_stage: int  # the stage in effect: 0 when dp x sp is one rank
+    zero_stage: int  # the stage in effect: 0 when dp x sp is one rank (not under
+    # --zero-param-offload, whose FSDP2 units are what move the shards to the host)
 
 
 def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.device,
@@ -84,7 +85,7 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     `make_optimizer(groups)` build the optimizer (ZeRO-1 runs it on row shards)."""
     par, mem, dims = cfg.parallel, cfg.memory, cfg.dims
     sequence_parallel = par.tp_sequence_parallel  # in effect: asked for, and tp > 1
-    zero_stage = par.zero_stage if comm.size(DP_SP) > 1 else 0
+    zero_stage = _zero_stage(par, comm)
     layout = [list(stage) for stage in cfg.layout] if dims.pp > 1 else None
     stages = []
     if layout is not None:  # 1
@@ -135,6 +136,13 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
                        _bucket_bytes(par, model), grad_buffer_dtype(cfg),
                        fuses_weight_gradients(cfg))
     return Parallelized(model, pipeline, zero, zero_stage)
+
+
+def _zero_stage(par, comm: Comm) -> int:
+    """The ZeRO stage in effect: none on one data x sequence rank (nothing to shard), but
+    --zero-param-offload's stage 3 stays there (FSDP2 over a one-rank group: the units'
+    shards still live on the host and stream to the device)."""
+    return par.zero_stage if comm.size(DP_SP) > 1 or par.zero_param_offload else 0
 
 
 def _materialize(model: nn.Module, device: torch.device, host: bool) -> None:

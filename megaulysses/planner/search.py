@@ -1,9 +1,10 @@
 """Every grid of a model on N GPUs, checked and predicted; the fastest that fit first.
 
-A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage, the recomputation
+A grid is (tp, pp, sp, cp; dp = N / (tp*pp*sp*cp)), the ZeRO stage (and last ZeRO-3 with
+the parameters on the host, --zero-param-offload), the recomputation
 (none, selective, full, full with the MLP tiled by 4; for long sequences full with the
 inputs offloaded to host, the MLP by 4, 16 or 32 and attention by 1, 2 or 4 groups of
-heads)
+heads, then by FPDT's sequence chunks of 64K or 16K tokens)
 and the micro-batch. Each is checked
 by the trainer's own rules (`config.validate`, `config.resolve`): a grid the
 trainer would refuse is rejected with the trainer's message. With tp > 1 Megatron-SP
@@ -27,15 +28,18 @@ from megaulysses.config import Config, ConfigError, RunConfig, resolve, validate
 from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.planner.time_model import Prediction, predict
 
-# (recompute, MLP tiles, activation offload, attention head groups), lightest first
-LEVELS = (("none", 1, False, 1), ("selective", 1, False, 1), ("full", 1, False, 1),
-          ("full", 4, False, 1), ("full", 4, True, 1), ("full", 16, True, 1),
-          ("full", 32, True, 1), ("full", 16, True, 2), ("full", 16, True, 4),
-          ("full", 32, True, 4))
+# (recompute, MLP tiles, activation offload, attention head groups, FPDT's chunk: tokens of
+# the whole sequence, 0 off), lightest first. FPDT (--ds-sequence-parallel-fpdt) last: the
+# other way of cutting attention's working set (not with head groups), in sequence chunks
+# whose merge and (sp > 1) per-chunk exchanges cost more than head groups' heads
+LEVELS = (("none", 1, False, 1, 0), ("selective", 1, False, 1, 0), ("full", 1, False, 1, 0),
+          ("full", 4, False, 1, 0), ("full", 4, True, 1, 0), ("full", 16, True, 1, 0),
+          ("full", 32, True, 1, 0), ("full", 16, True, 2, 0), ("full", 16, True, 4, 0),
+          ("full", 32, True, 4, 0), ("full", 32, True, 1, 65536), ("full", 32, True, 1, 16384))
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
 FIELDS = ("tp", "pp", "sp", "cp", "zero", "recompute", "tiles", "micro_batch", "megatron_sp",
-          "dist_opt", "offload", "head_groups")
+          "dist_opt", "offload", "head_groups", "param_offload")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Grid:
     dist_opt: bool = False  # --use-distributed-optimizer (with zero 1)
     offload: int = 0  # --cpu-offloading-num-layers (the planner offloads a whole stage)
     head_groups: int = 1  # --attention-head-groups
+    param_offload: bool = False  # --zero-param-offload (with zero 3): ZeRO-3's shards on the host
+    fpdt: int = 0  # --ds-sequence-parallel-fpdt-chunk-size with --ds-sequence-parallel-fpdt
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this grid."""
@@ -63,19 +69,24 @@ class Grid:
                "--micro-batch-size", str(self.micro_batch)]
         out += ["--sequence-parallel"] if self.megatron_sp else []
         out += ["--use-distributed-optimizer"] if self.dist_opt else []
+        out += ["--zero-param-offload"] if self.param_offload else []
         out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
         out += ["--cpu-offloading-num-layers", str(self.offload)] if self.offload else []
         out += ["--attention-head-groups", str(self.head_groups)] if self.head_groups > 1 else []
+        out += (["--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
+                 str(self.fpdt)] if self.fpdt else [])
         return out + (["--tiled-mlp-chunks", str(self.tiles)] if self.tiles > 1 else [])
 
     def __str__(self) -> str:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x sp {self.sp} x cp {self.cp}, "
                 f"{'Megatron-SP, ' if self.megatron_sp else ''}"
-                f"{'distributed optimizer' if self.dist_opt else f'ZeRO-{self.zero}'}, "
+                f"{'distributed optimizer' if self.dist_opt else f'ZeRO-{self.zero}'}"
+                f"{', params on host' if self.param_offload else ''}, "
                 f"recompute {self.recompute}"
                 f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}"
                 f"{', activations offloaded' if self.offload else ''}"
-                f"{f', head groups {self.head_groups}' if self.head_groups > 1 else ''}, "
+                f"{f', head groups {self.head_groups}' if self.head_groups > 1 else ''}"
+                f"{f', FPDT chunks {self.fpdt}' if self.fpdt else ''}, "
                 f"micro-batch {self.micro_batch}")
 
 
@@ -122,12 +133,16 @@ def configure(base: Config, grid: Grid) -> RunConfig:
     par = replace(base.parallel, tensor_model_parallel_size=grid.tp,
                   pipeline_model_parallel_size=grid.pp, ds_sequence_parallel_size=grid.sp,
                   context_parallel_size=grid.cp, tp_sequence_parallel=grid.megatron_sp,
-                  zero_stage=grid.zero, use_distributed_optimizer=grid.dist_opt)
+                  zero_stage=grid.zero, use_distributed_optimizer=grid.dist_opt,
+                  zero_param_offload=grid.param_offload)
     mem = replace(base.memory, tiled_mlp_chunks=grid.tiles, attention_head_groups=grid.head_groups,
                   cpu_offloading_num_layers=grid.offload,
                   recompute_granularity=None if grid.recompute == "none" else grid.recompute,
                   recompute_method=(base.memory.recompute_method or "uniform") if full else None,
                   recompute_num_layers=(base.memory.recompute_num_layers or 1) if full else None)
+    if grid.fpdt:  # else as the flags have it
+        mem = replace(mem, ds_sequence_parallel_fpdt=True,
+                      ds_sequence_parallel_fpdt_chunk_size=grid.fpdt)
     cfg = Config(model=base.model, data=base.data, log=base.log, parallel=par, memory=mem,
                  train=replace(base.train, micro_batch_size=grid.micro_batch))
     validate(cfg)
@@ -161,7 +176,9 @@ def search(base: Config, gpus: int, gpu: GPU, fixed: Optional[dict] = None,
            reserve_gib: float = RESERVE_GIB) -> SearchResult:
     """Every grid of `base`'s model on `gpus` GPUs; `fixed` holds some of FIELDS at the
     given values (the flags the user gave)."""
-    fixed = fixed or {}
+    fixed = dict(fixed or {})
+    if base.parallel.zero_param_offload:  # asked for: held, as the grid flags are
+        fixed.setdefault("param_offload", True)
     ranked, rejected, dominated = [], [], 0
     for shape in _shapes(gpus, base, fixed):
         for mb in _micro_batches(base, shape[0], fixed):
@@ -208,19 +225,19 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     """(fitting, rejected, dominated) of one shape and micro-batch over the recomputation
     levels and ZeRO stages (the module doc's order)."""
     dp, tp, pp, sp, cp = shape
-    stages = _stages(base, dp * cp * sp, fixed)
-    levels = [level for level in LEVELS if all(fixed.get(k, v) == v for k, v in zip(
-        ("recompute", "tiles", "offload", "head_groups"), level))]  # offload: fixed as bool
+    stages = _stages(base, dp * cp * sp, fixed, alone=dp * tp * pp * sp * cp == 1)
+    levels = [level for level in _levels(base, fixed) if all(fixed.get(k, v) == v for k, v
+              in zip(("recompute", "tiles", "offload", "head_groups"), level))]  # offload: bool
     if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
-        levels = [(r, fixed["tiles"], o, g) for r, _, o, g in LEVELS
+        levels = [(r, fixed["tiles"], o, g, c) for r, _, o, g, c in _levels(base, fixed)
                   if fixed.get("recompute", r) == r and fixed.get("offload", o) == o
                   and fixed.get("head_groups", g) == g]
         levels = list(dict.fromkeys(levels))
     fits, rejected, limit, tried = [], [], len(stages), 0
-    for recompute, tiles, offload, groups in levels:
-        for i, (zero, dist_opt) in enumerate(stages[:limit]):
+    for recompute, tiles, offload, groups, chunk in levels:
+        for i, (zero, dist_opt, host) in enumerate(stages[:limit]):
             grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp, dist_opt,
-                        base.model.num_layers // pp if offload else 0, groups)
+                        base.model.num_layers // pp if offload else 0, groups, host, chunk)
             c = evaluate(base, grid, gpu, reserve_gib)
             tried += 1
             if c.kind == "fits":
@@ -235,20 +252,35 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     return fits, rejected, len(levels) * len(stages) - tried
 
 
-def _stages(base: Config, n: int, fixed: dict) -> list[tuple[int, bool]]:
-    """(ZeRO stage, distributed optimizer) in the walk's order. Under --bf16/--fp16
-    Megatron-LM's distributed optimizer (16-bit weights, fp32 main rows) comes before
-    ZeRO-1: less memory and no more time (the same reduce-scatter, a 16-bit all-gather),
-    so ZeRO-1 is tried only where it does not fit; under fp32 it is ZeRO-1. As the flags
-    hold them."""
+def _stages(base: Config, n: int, fixed: dict, alone: bool = False
+            ) -> list[tuple[int, bool, bool]]:
+    """(ZeRO stage, distributed optimizer, parameters on the host) in the walk's order.
+    Under --bf16/--fp16 Megatron-LM's distributed optimizer (16-bit weights, fp32 main
+    rows) comes before ZeRO-1: less memory and no more time (the same reduce-scatter, a
+    16-bit all-gather), so ZeRO-1 is tried only where it does not fit; under fp32 it is
+    ZeRO-1. Last "3 + host" (--zero-param-offload): ZeRO-3 with the shards, gradients and
+    AdamW on the host, the least device memory and the most time (the host link, the
+    host's step), so the walk's dominance holds. On one data x sequence rank no ZeRO,
+    except 3 + host where that rank is the whole job (`alone`: FSDP2 over a world-1
+    group; beside tp or pp ranks the trainer refuses it). As the flags hold them."""
     half = base.train.bf16 or base.train.fp16
-    ladder = [(0, False)] + ([(1, True)] if half else []) + [(1, False), (2, False), (3, False)]
+    ladder = [(0, False, False)] + ([(1, True, False)] if half else []) + [
+        (1, False, False), (2, False, False), (3, False, False), (3, False, True)]
     if n == 1:
-        ladder = [(0, False)]
+        ladder = [(0, False, False)] + ([(3, False, True)] if alone else [])
     if fixed.get("dist_opt"):
-        return [(max(1, fixed.get("zero", 1)), fixed.get("zero", 1) <= 1)]
-    return [(z, d) for z, d in ladder if fixed.get("zero", z) == z
-            and fixed.get("dist_opt", d) == d]
+        return [(max(1, fixed.get("zero", 1)), fixed.get("zero", 1) <= 1, False)]
+    return [(z, d, h) for z, d, h in ladder if fixed.get("zero", z) == z
+            and fixed.get("dist_opt", d) == d and fixed.get("param_offload", h) == h]
+
+
+def _levels(base: Config, fixed: dict) -> tuple:
+    """LEVELS; without FPDT's where the flags hold attention's cut (FPDT or head groups
+    given: those levels run as the flags say) or a chunk would not cut the sequence."""
+    mem = base.memory
+    if mem.ds_sequence_parallel_fpdt or "head_groups" in fixed:
+        return tuple(level for level in LEVELS if not level[4])
+    return tuple(level for level in LEVELS if level[4] < base.model.seq_length)
 
 
 def _depends_on_level(c: Candidate) -> bool:
@@ -256,4 +288,5 @@ def _depends_on_level(c: Candidate) -> bool:
     the shape itself is invalid, counted once)."""
     return c.reason.split(":")[0] in ("--recompute-num-layers", "--tiled-mlp-chunks",
                                       "--zero-stage", "--attention-head-groups",
-                                      "--cpu-offloading-num-layers")
+                                      "--cpu-offloading-num-layers", "--ds-sequence-parallel-fpdt",
+                                      "--ds-sequence-parallel-fpdt-chunk-size")

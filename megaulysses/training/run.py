@@ -140,13 +140,16 @@ def build_run(cfg: Config) -> Run:
     dtype = compute_dtype(cfg)
     check_outputs(cfg)  # before anything is built: refusing is quick
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    rank, world = init_distributed(device, timeout)
+    # --zero-param-offload on one rank: FSDP2's units need a (world-1) group and mesh
+    alone = cfg.parallel.zero_param_offload
+    rank, world = init_distributed(device, timeout, alone)
     run_cfg, tokenizer = resolve_run(cfg, world)
     log.info("%s", format_settings(run_cfg))  # what the flags mean, before anything runs
     log_megatron_meanings(cfg, run_cfg)
     backend, core = attention_backend(run_cfg, device, dtype)
     log.info("%s", select_kernels(device).describe())  # apex probed here, once
-    comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 else None)
+    comm = Comm(build_mesh(run_cfg.dims, device.type, timeout) if world > 1 or alone
+                else None)
     check_writable(run_cfg, comm)  # before any data, model or step: refusing is quick
     data = _build_data(run_cfg, rank, comm, tokenizer)
     with torch.device("meta"):

@@ -272,3 +272,35 @@ def test_plan_and_dry_run_agree(name):
                             "--dry-run-world-size", "8", "--dry-run-gpu", "H100")
     assert rc == 0, err
     assert float(re.search(r"fits H100: peak ([\d.]+) GiB", out).group(1)) == planned
+
+
+def test_search_puts_the_parameters_on_the_host_last_and_on_one_gpu():
+    """ZeRO-3 with the shards on the host (--zero-param-offload) is the ladder's last rung,
+    after ZeRO-3, and on one GPU alone the only ZeRO there; it is what fits four
+    micro-batches of 128K tokens on one A100-40GB with the MLP in 4 tiles (ZeRO-0 needs 16).
+    FPDT's sequence chunks are tried after the head groups. Beside tp ranks (dp x cp x sp
+    = 1) the host rung is not tried."""
+    from megaulysses.hardware import gpu_spec
+    from megaulysses.planner.search import configure, search
+    base = base_config()
+    result = search(base, 1, gpu_spec("A100-40GB"), {"micro_batch": 4})
+    host = [c.grid for c in result.ranked if c.grid.param_offload]
+    assert [(g.zero, g.tiles) for g in host] == [(3, 4)], result.ranked
+    grid = host[0]
+    assert "ZeRO-3, params on host" in str(grid) and "--zero-param-offload" in grid.flags()
+    assert configure(base, grid).parallel.zero_param_offload
+    tried = result.ranked + result.rejected
+    assert {(c.grid.zero, c.grid.param_offload) for c in tried} == {(0, False), (3, True)}
+    # 1M tokens fit nowhere: every level is walked, FPDT's last
+    long = ["--seq-length", str(2 ** 20), "--max-position-embeddings", str(2 ** 20)]
+    walked = search(base_config(long), 1, gpu_spec("A100-40GB"), {"micro_batch": 1})
+    fpdt = [c.grid for c in walked.rejected if c.grid.fpdt]
+    assert [c.grid.fpdt for c in walked.rejected][-2:] == [16384, 16384]
+    assert {g.fpdt for g in fpdt} == {65536, 16384} and all(g.head_groups == 1 for g in fpdt)
+    assert "--ds-sequence-parallel-fpdt-chunk-size" in fpdt[0].flags()
+    tp2 = search(base, 2, gpu_spec("A100-40GB"), {"tp": 2, "micro_batch": 4})
+    assert not any(c.grid.param_offload for c in tp2.ranked + tp2.rejected)
+    # asked for in the flags: held
+    held = search(base_config(["--zero-stage", "3", "--zero-param-offload"]), 2,
+                  gpu_spec("A100-40GB"), {"zero": 3, "micro_batch": 4})
+    assert all(c.grid.param_offload for c in held.ranked + held.rejected)

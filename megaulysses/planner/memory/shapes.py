@@ -71,7 +71,10 @@ class _RankLayout:
         in_flight = _in_flight(schedule, dims.pp, pp_rank, m, len(ids))
         return cls(ids=ids, stage_layers=tuple(len(layout[i]) for i in ids), first=0 in ids,
                    last=len(layout) - 1 in ids, m=m, in_flight=in_flight,
-                   zero_stage=par.zero_stage if _zero_ranks(dims) > 1 else 0,
+                   # one such rank: no ZeRO, except --zero-param-offload's stage 3
+                   # (FSDP2 over a world-1 group, parallelize.py)
+                   zero_stage=par.zero_stage if _zero_ranks(dims) > 1
+                   or par.zero_param_offload else 0,
                    pending=min(pp_rank + 1, in_flight) if schedule == "zero-bubble" else 0)
 
 

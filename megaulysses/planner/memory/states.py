@@ -165,8 +165,9 @@ class _States:
         if self.dist_opt:
             self._distributed_optimizer(cfg, self.local if n == 1 else everything.rows,
                                         block, len(params))
-        # --zero-param-offload (FSDP2's CPUOffloadPolicy): ZeRO-3's shards on the host
-        self.param_offload = stage == 3 and n > 1 and cfg.parallel.zero_param_offload
+        # --zero-param-offload (FSDP2's CPUOffloadPolicy): ZeRO-3's shards on the host,
+        # n = 1 too (one rank's units, unsharded pieces, still stream from the host)
+        self.param_offload = stage == 3 and cfg.parallel.zero_param_offload
         self.param_link = 0  # bytes the units' copies move over the host link: per
         # micro-batch (per step under pp; `param_link_bytes`)
         if self.param_offload:
