@@ -31,18 +31,16 @@ is made to answer yes (`as_cuda`):
   chunks have CUDA's budget (any device but the CPU), autocast casts as fake_device.py
   registers it.
 
-Not faked, so neither measured here nor in the plan (each only while its kernel runs):
-- the flash backward's own buffers, allocated inside `mha_bwd` (at::empty: the caching
-  allocator's, so in torch.cuda.max_memory_allocated): fp32 `dq_accum`,
-  b*s_rounded*hq*d_rounded, and `softmax_d`, b*hq*s_rounded (s rounded to 128, d to 32):
-  2x q's 16-bit bytes and a little more; under GQA also its dk, dv expanded to the hq
-  heads (b*s*hq*d each, 16-bit) before they are summed to the kv heads. The efficient
-  backward's fp32 dq accumulator, 2x q's 16-bit bytes. `unfaked_attention_backward`
-  gives them per call; the test's table shows them beside each grid. At the headline
-  grids they are large (Ulysses runs the core on the whole sequence): Llama-3-8B on
-  8 H100 at 6,029,312 tokens (sp 8: 4 q heads, 1 kv head a rank) 23.1 GiB on top of
-  the plan's core backward moment (72.4 GiB -> 95.5); on 32 H100 at 22,282,240 tokens
-  10.7 GiB (75.5 -> 86.2);
+Not faked, so not measured here (each only while its kernel runs):
+- the attention backward's own buffers, allocated inside the kernel (at::empty: the
+  caching allocator's, so in torch.cuda.max_memory_allocated): flash's fp32 `dq_accum`
+  and `softmax_d`, and under GQA its dk, dv expanded to the hq heads; the efficient
+  kernel's fp32 grad-q accumulator. The plan counts them at its core backward moments
+  (planner/memory/cores.py `attention_backward_scratch`); the table shows one call's
+  beside each grid. At the headline grids they are large (Ulysses runs the core on the
+  whole sequence): Llama-3-8B on 8 H100 at 6,029,312 tokens (sp 8: 4 q heads, 1 kv head
+  a rank) 23.1 GiB, on 32 H100 at 22,282,240 tokens 10.7 GiB, which the plan missed
+  before this check;
 - pinned host memory: `pin_memory()` has no fake kernel (NYI), and the device is not
   CUDA, so the offloads' host copies are plain host tensors. The bytes are the same
   (pinning changes where the pages are locked, not how many), and the plan has no
@@ -68,23 +66,11 @@ from typing import Iterator
 
 import torch
 
+from megaulysses.planner.memory.cores import unfaked_attention_backward  # the plan's own
 from megaulysses.training import fake_device
 
 HALF = (torch.float16, torch.bfloat16)
 MIB = 2 ** 20
-
-
-def unfaked_attention_backward(b: int, s: int, hq: int, hkv: int, d: int,
-                               dtype: torch.dtype) -> int:
-    """Bytes the CUDA attention backward allocates inside its kernel (not a tensor that
-    the fake rank sees) for one call on [b, s, hq, d] queries: flash's fp32 dq
-    accumulator and softmax_d (rounded to 128 rows, head dim to a multiple of 32), and
-    under GQA its dk, dv over all hq heads; the efficient kernel's fp32 dq accumulator."""
-    rows = -(-s // 128) * 128
-    if dtype in HALF and d <= 256:
-        extra = 4 * b * rows * hq * (-(-d // 32) * 32) + 4 * b * hq * rows
-        return extra + (2 * 2 * b * s * hq * d if hq != hkv else 0)
-    return 4 * b * s * hq * d
 
 
 # -- the device as CUDA -------------------------------------------------------------------
@@ -218,13 +204,8 @@ def measure(flags: list, world: int = 1, rank: int = 0) -> dict:
         del trainer
         gc.collect()
     plan = plan_memory(cfg, dims, pp_rank, "cuda", cp_rank=cp_rank)  # plain arithmetic
-    core = max((v for k, v in plan.moments.items() if k.startswith("core backward")),
-               default=0)
     return {"measured": measured, "planned": plan.peak_bytes, "moment": plan.peak_moment,
-            "kernels": sorted(kernels.seen), "unfaked": kernels.unfaked,
-            # what the unfaked buffers may add to the plan's peak: the attention
-            # backward's moment with them, where it passes the peak
-            "uncertain": max(0, core + kernels.unfaked - plan.peak_bytes)}
+            "kernels": sorted(kernels.seen), "unfaked": kernels.unfaked}
 
 
 class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
@@ -294,9 +275,9 @@ def _pipeline_buffers(pipeline) -> list:
 
 def table(results: dict) -> str:
     """The comparison, one line per (grid, rank), MiB."""
-    lines = [f"{'grid':<52} rank  measured   planned  ratio  unfaked  on peak  kernels",
-             "(MiB; unfaked: one attention backward's own buffers, % of the plan's peak; "
-             "on peak: what they may add to it)"]
+    lines = [f"{'grid':<52} rank  measured   planned  ratio  unfaked  kernels",
+             "(MiB; unfaked: one attention backward's own buffers, which the plan counts "
+             "and the fake rank cannot see, % of the plan's peak)"]
     for (name, rank), r in results.items():
         if isinstance(r, str):
             lines.append(f"{name:<52} {rank:>4}  error: {r.strip().splitlines()[-1]}")
@@ -304,7 +285,6 @@ def table(results: dict) -> str:
         measured, planned = r["measured"], r["planned"]
         lines.append(f"{name:<52} {rank:>4}  {measured / MIB:8.3f}  {planned / MIB:8.3f}  "
                      f"{planned / measured:6.3f}  {100 * r['unfaked'] / planned:5.1f}%  "
-                     f"{100 * r['uncertain'] / planned:5.1f}%  "
                      f"{', '.join(r['kernels'])}; peak at {r['moment']}")
     return "\n".join(lines)
 

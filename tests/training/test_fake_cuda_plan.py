@@ -101,3 +101,18 @@ def _sdpa_nodes() -> dict:
                 node = node.next_functions[0][0]
             out[name] = type(node).__name__
     return out
+
+
+def test_attention_backward_scratch_counts_the_kernels_own_buffers():
+    """What the plan adds at a core backward on CUDA (the fake rank cannot see it): flash
+    (16-bit) an fp32 dq accumulator over rows rounded to 128 and head dims to 32, fp32
+    softmax_d, under GQA dk and dv expanded to the query heads; the efficient kernel
+    (fp32) an fp32 grad-q accumulator."""
+    from megaulysses.planner.memory.cores import attention_backward_scratch as scratch
+    own = 4 * 1024 * 4 * 128 + 4 * 4 * 1024  # dq_accum [1, 1024, 4, 128], softmax_d
+    assert scratch(1, 1000, 1000, 4, 4, 128, 2) == own
+    assert scratch(1, 1000, 1000, 4, 1, 128, 2) == own + 2 * 2 * 1000 * 4 * 128
+    assert scratch(1, 1000, 1000, 4, 4, 100, 2) == own  # head dim 100 runs as 128
+    assert scratch(1, 1000, 1000, 4, 1, 128, 4) == 4 * 1000 * 4 * 128
+    # Llama-3-8B on 8 H100 at 6,029,312 tokens, sp 8: 4 query heads, 1 kv head a rank
+    assert abs(scratch(1, 6029312, 6029312, 4, 1, 128, 2) / 2 ** 30 - 23.1) < 0.05

@@ -77,14 +77,17 @@ def _received(s: _Shape) -> int:
     return q if s.b > 1 else 0
 
 
-def fpdt_backward(s: _Shape, block_backward: int) -> int:
+def fpdt_backward(s: _Shape, block_backward: int, scratch: int = 0) -> int:
     """`block_backward`: the block kernel's backward working set over one pair (cores.py's,
-    of `fpdt_pair(s)`)."""
+    of `fpdt_pair(s)`); `scratch`: the fused kernel's own buffers for one call on CUDA
+    (cores.py's `kernel_scratch` of the pair: the diagonal runs batched, or the whole pair
+    unmasked, the largest call)."""
     p, e = fpdt_pair(s), s.e
     sums = 0 if s.fpdt_host else F32 * 2 * s.K
     fetched = e * (2 * p.Q + 2 * p.K) + p.lse if s.fpdt_host else 0  # q_i, out_i, k_j, v_j
-    if s.fused:  # dout_i; the pair's fp32 dq, dk, dv and the diagonal's shares (q's dtype)
-        pair = e * p.Q + (F32 + e) * (p.Q + 2 * p.K)
+    if s.fused:  # dout_i; the pair's fp32 dq, dk, dv and the diagonal's shares (q's dtype);
+        # on CUDA the kernel's own buffers for the pair's largest call (`scratch`)
+        pair = e * p.Q + (F32 + e) * (p.Q + 2 * p.K) + scratch
     else:  # partial_backward (dout_i is its input, counted there)
         pair = block_backward
     # dq_i's fp32 sum; with offloading a sum's chunk fetched to add the pair's share

@@ -34,7 +34,12 @@ later steps take all query rows x half the keys, or half the rows x all keys):
                          accumulator, the received keys and values and those arriving (all
                          steps but the last), the fp32 dk, dv accumulators in flight and
                          arriving, 4*4K, and the kernel's shares in q's dtype for its rows and
-                         keys (the kernel's own scratch is no tensor on CPU)
+                         keys (on CUDA also the kernel's own buffers for them, below)
+On CUDA each fused kernel's backward (SDPA's flash or memory-efficient kernel, the block
+backend's fused kernel, a fused ring step or FPDT pair) allocates buffers of its own while
+it runs, no tensor autograd sees (`attention_backward_scratch`, per call: flash's fp32 dq
+accumulator, 2x q's 16-bit bytes, and under GQA dk, dv over all query heads; the efficient
+kernel's fp32 grad-q accumulator): counted in the core's backward (`kernel_scratch`).
     ring forward         the largest later step at its merge: the running fp32 out beyond
                          the kept one, the received keys and values and those arriving, the
                          step's partial out (q's dtype; and its fp32 copy under autocast) and
@@ -66,11 +71,15 @@ hq/G heads, kv heads grouped alike or, fewer than G a rank, one a rank; measured
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from megaulysses.model.attention.block_causal import BLOCK_ROWS
 from megaulysses.planner.memory.chunked import (fpdt_backward, fpdt_forward, fpdt_pair,
                                                  fpdt_terms)
 from megaulysses.planner.memory.shapes import F32, _Shape
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _core_terms(s: _Shape) -> dict:
@@ -104,7 +113,9 @@ def _core_backward(s: _Shape) -> int:
     if s.groups > 1:
         return _grouped_backward(s)
     if s.kernel == "fpdt":
-        return fpdt_backward(s, 0 if s.fused else _core_backward(fpdt_pair(s)))
+        pair = fpdt_pair(s)
+        return fpdt_backward(s, 0 if s.fused else _core_backward(pair),
+                             kernel_scratch(pair) if s.fused else 0)
     qkv = s.T * (2 * s.hq + 2 * s.kv) * s.d
     if s.kernel == "block":
         return F32 * (qkv + 2 * s.b * s.core_heads * BLOCK_ROWS * s.S)
@@ -112,7 +123,50 @@ def _core_backward(s: _Shape) -> int:
         return _masked_backward(s)
     if s.kernel == "ring":
         return _ring_fused_backward(s) if s.fused else _ring_backward(s)
-    return s.e * qkv
+    return s.e * qkv + kernel_scratch(s)  # sdpa, fused: one call over the whole sequence
+
+
+def attention_backward_scratch(b: int, sq: int, sk: int, hq: int, hkv: int, d: int,
+                               e: int) -> int:
+    """Bytes CUDA's fused attention backward allocates inside its kernel for one call (q
+    [b, sq, hq, d], k and v [b, sk, hkv, d], e bytes an element): at::empty in the
+    caching allocator while the kernel runs, no tensor autograd (or a fake rank) sees.
+    Flash (16-bit, head dim up to 256; torch's copy of flash-attn 2's `mha_bwd`, the
+    flash_attn package's alike): its fp32 dq accumulator [b, sq to 128, hq, d to 32 (past
+    192: 256)], always (torch's copy loops over key blocks for any length), softmax_d,
+    fp32 [b, hq, sq to 128], and under GQA dk, dv over all hq heads ([b, sk, hq, d], q's
+    dtype) before they are summed to hkv. Memory-efficient (fp32; head dims flash does
+    not take): split keys are on from sm70 whatever the dtype, so kNeedsAccumGradQ and its
+    workspace is an fp32 grad-q accumulator per query tile, about q's elements in fp32
+    (tiles' rounding and 16-byte lock words not counted); no GQA (k, v come repeated).
+    Its fp32 delta's product temporary (fp32 inputs) is freed before the workspace is
+    made, and is no larger."""
+    if e == F32 or d > 256:
+        return F32 * b * sq * hq * d
+    rows = -(-sq // 128) * 128
+    dr = 256 if d > 192 else -(-d // 32) * 32
+    own = F32 * b * rows * hq * dr + F32 * b * hq * rows  # dq_accum, softmax_d
+    return own + (2 * e * b * sk * hq * d if hq != hkv else 0)
+
+
+def unfaked_attention_backward(b: int, s: int, hq: int, hkv: int, d: int,
+                               dtype: torch.dtype) -> int:
+    """`attention_backward_scratch` of a self-attention call on [b, s, hq, d] queries of
+    torch dtype `dtype` (training/fake_cuda.py's table: what its fake rank cannot show)."""
+    return attention_backward_scratch(b, s, s, hq, hkv, d, dtype.itemsize)
+
+
+def kernel_scratch(s: _Shape, rows: float = 1.0, keys: float = 1.0) -> int:
+    """`attention_backward_scratch` of one call of the core's fused kernel on CUDA over
+    `rows` of its query positions and `keys` of its keys (a ring step's or an FPDT pair's
+    share; whole: SDPA, the block backend's fused kernel); its heads: hq/sp queries,
+    kv/sp keys and values. None elsewhere: the CPU kernels' buffers are tensors the plan
+    measured with them (tests/parallel/test_memory_plan.py). CUDA: the plan's 1-byte
+    dropout masks (shapes.py sets `mask_e` 1 for CUDA alone)."""
+    if s.mask_e != 1:
+        return 0
+    return attention_backward_scratch(s.b, int(rows * s.Sc), int(keys * s.Sc), s.core_heads,
+                                      max(1, s.kv // s.sp), s.d, s.e)
 
 
 def _masked_backward(s: _Shape) -> int:
@@ -210,11 +264,14 @@ def _ring_fused_backward(s: _Shape) -> int:
     steps at the kernel's return (step 0 holds less): dout; dq's fp32 accumulator; the
     step's received keys and values and those arriving for the next step (all but the
     last); the last step's fp32 dk, dv accumulators in flight and those arriving, 4*4K;
-    the kernel's dq, dk, dv shares in q's dtype, for its rows and keys only. (A kernel's own
-    scratch is not counted: on CPU it is no tensor.)"""
+    the kernel's dq, dk, dv shares in q's dtype, for its rows and keys only; on CUDA the
+    kernel's own buffers for its rows and keys (`kernel_scratch`). Step 0 (all rows, the
+    rank's own keys) has the larger scratch but holds no dq sum, received keys or dk, dv
+    sums: less by 4Q + 16K - eQ - eK at least.)"""
     e, kv = s.e, 2 * s.e * s.K
     held = e * s.Q + F32 * s.Q + kv + 4 * F32 * s.K
     return max(held + (kv if arriving else 0) + int(e * (rows * s.Q + 2 * keys * s.K))
+               + kernel_scratch(s, rows, keys)
                for rows, keys, arriving in _fused_ring_steps(s))
 
 
