@@ -10,9 +10,11 @@
 #               apex (its fused RMSNorm; model/ops/kernels.py)
 #   device      nvidia-smi lists a GPU but torch sees no CUDA: exit 3 (a CPU build of torch
 #               or a driver mismatch), nothing else runs
-#   (a) pytest      python -m pytest -q -m cuda -k "not flex": the CUDA tests (flex: (e)):
-#                   attention kernels, and the fused kernels of a step (AdamW, grad norm,
-#                   clipping, RMSNorm) against unfused ones (tests/training/test_fused_kernels.py)
+#   (a) pytest      python -m pytest -q -o addopts=-ra -m cuda -k "not flex" (one process
+#                   on the one GPU, not the suite's two workers; flex: (e)): the CUDA
+#                   tests: attention kernels, and the fused kernels of a step (AdamW, grad
+#                   norm, clipping, RMSNorm) against unfused ones
+#                   (tests/training/test_fused_kernels.py)
 #   (e) kernels     one snippet per piece, each forward + backward on the GPU against
 #                   math_attention in fp32: ring (RingAttention on one rank: the fused ring
 #                   step), flex (window, packed documents), flash (varlen packed documents,
@@ -289,7 +291,7 @@ run_snippet() {
 }
 
 # (a) runs everywhere: without CUDA every test it selects skips
-run_part pytest "${DC_LIMIT_A:-40}" "$PY" -m pytest -q -m cuda -k "not flex" -p no:cacheprovider
+run_part pytest "${DC_LIMIT_A:-40}" "$PY" -m pytest -q -o addopts=-ra -m cuda -k "not flex" -p no:cacheprovider
 if [ "$cuda" -eq 1 ]; then
     run_snippet ring "${DC_LIMIT_RING:-20}"
     run_snippet flex "${DC_LIMIT_FLEX:-90}"
