@@ -17,17 +17,3 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         torch.set_num_threads(1)  # in case torch was imported before this file
-
-
-# The longest files (seconds each on 2 cores, under two workers), run first: xdist hands
-# out whole files in collection order, and one of these last kept one worker alone for
-# ~5 minutes at the end of the suite.
-LONGEST_FIRST = ("test_attention_masks.py", "test_memory_plan.py", "test_default_run.py",
-                 "test_compile.py", "test_long_sequence.py", "test_plan.py", "test_faults.py",
-                 "test_zero.py", "test_convergence.py", "test_dtype_matrix.py",
-                 "test_extend_context.py", "test_pipeline.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files stay whole
