@@ -68,6 +68,7 @@ import torch
 
 from megaulysses.planner.memory.cores import unfaked_attention_backward  # the plan's own
 from megaulysses.training import fake_device
+from megaulysses.training.live_bytes import step_peak
 
 HALF = (torch.float16, torch.bfloat16)
 MIB = 2 ** 20
@@ -198,7 +199,7 @@ def measure(flags: list, world: int = 1, rank: int = 0) -> dict:
     with fake_cuda_rank(rank, world):
         trainer = Trainer(parse_args(flags))
         with _Kernels() as kernels:
-            measured = measured_peak(trainer)
+            measured, _ = step_peak(trainer)
         cfg, dims = trainer.cfg, trainer.dims
         pp_rank, cp_rank = trainer.comm.rank(PP), trainer.comm.rank(CP)
         del trainer
@@ -235,42 +236,6 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
         elif name == "native_dropout":
             self.seen.add(f"dropout mask {str(out[1].dtype).removeprefix('torch.')}")
         return out
-
-
-def measured_peak(trainer) -> int:
-    """Bytes held on the device before the second step (parameters, buffers, optimizer
-    states, the distributed optimizer's buffers, the step's micro-batches) + the peak
-    live bytes that step allocated: tests/parallel/test_memory_plan.py's measure."""
-    import megaulysses.training.step as tr
-    from megaulysses.training.live_bytes import LiveBytes, storage_bytes
-    t = trainer.cfg.train
-
-    def step(batches):
-        tr.train_step(trainer.model, batches, trainer.zero, trainer.scaler, t.clip_grad,
-                      trainer.device, trainer.dtype, trainer.comm, trainer.pipeline)
-
-    step(trainer.train_data.micro_batches(0))
-    batches = trainer.train_data.micro_batches(t.global_batch_size)
-    opt = trainer.optimizer
-    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    own = [b.grads for b in getattr(opt, "buckets", [])] + list(
-        getattr(opt, "views", {}).values())
-    held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
-                         + states + own + [v for b in batches for v in b.values()]
-                         + _pipeline_buffers(trainer.pipeline), host=False)
-    gc.collect()
-    with LiveBytes() as mem:
-        step(batches)
-    return held + mem.peak
-
-
-def _pipeline_buffers(pipeline) -> list:
-    if pipeline is None:
-        return []
-    infos = [i for stage in pipeline.stages
-             for table in (stage.args_recv_info, stage.grad_recv_info)
-             for per_micro in table.values() for i in per_micro]
-    return [getattr(i, "buffer", None) for i in infos]
 
 
 def table(results: dict) -> str:

@@ -302,3 +302,47 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]],
             seen.add(id(st))
             total += st.nbytes()
     return total
+
+
+def step_peak(trainer) -> tuple[int, dict]:
+    """A real Trainer's second step measured: the bytes held on the device before it
+    (parameters, buffers, optimizer states, the distributed optimizer's buffers and main
+    weights, the step's micro-batches, pipeline receive buffers) + the peak live bytes the
+    step allocated; and the bytes it sent per (group, collective kind). The first step
+    makes AdamW's states. What the memory plan is compared with
+    (tests/parallel/test_memory_plan.py, training/fake_cuda.py)."""
+    import gc
+
+    import megaulysses.training.step as tr
+    t = trainer.cfg.train
+
+    def step(batches):
+        tr.train_step(trainer.model, batches, trainer.zero, trainer.scaler, t.clip_grad,
+                      trainer.device, trainer.dtype, trainer.comm, trainer.pipeline)
+
+    step(trainer.train_data.micro_batches(0))
+    batches = trainer.train_data.micro_batches(t.global_batch_size)
+    opt = trainer.optimizer
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    own = [b.grads for b in getattr(opt, "buckets", [])] + list(
+        getattr(opt, "views", {}).values())
+    held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
+                         + states + own + [v for b in batches for v in b.values()]
+                         + _pipeline_buffers(trainer.pipeline),
+                         host=False)  # the device's: an offload's host copies apart
+    gc.collect()
+    trainer.comm.stats.pop()
+    with LiveBytes() as mem:
+        step(batches)
+    return held + mem.peak, trainer.comm.stats.pop(by_group=True)
+
+
+def _pipeline_buffers(pipeline) -> list:
+    """The pipeline stages' receive buffers held between steps (torch's own stage keeps
+    one per micro-batch and direction; parallel/pipeline.py's none)."""
+    if pipeline is None:
+        return []
+    infos = [i for stage in pipeline.stages
+             for table in (stage.args_recv_info, stage.grad_recv_info)
+             for per_micro in table.values() for i in per_micro]
+    return [getattr(i, "buffer", None) for i in infos]

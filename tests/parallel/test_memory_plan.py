@@ -135,54 +135,15 @@ def measure_grid(flags: list) -> tuple:
     from megaulysses.config import parse_args
     from megaulysses.parallel.dims import CP, PP
     from megaulysses.planner.memory import plan_memory
+    from megaulysses.training.live_bytes import step_peak
     from megaulysses.training.trainer import Trainer
     trainer = Trainer(parse_args(BASE + flags))
-    measured, comm = measured_peak(trainer)
+    measured, comm = step_peak(trainer)
     plan = plan_memory(trainer.cfg, trainer.dims, trainer.comm.rank(PP), "cpu",
                        cp_rank=trainer.comm.rank(CP))
     del trainer
     gc.collect()
     return measured, plan.peak_bytes, comm, plan.comm_by_group
-
-
-def measured_peak(trainer) -> tuple[int, dict]:
-    """Bytes held before the second step + the peak live bytes it allocated; and the
-    bytes it sent per (group, collective kind)."""
-    import megaulysses.training.step as tr
-    from megaulysses.training.live_bytes import LiveBytes, storage_bytes
-    t = trainer.cfg.train
-
-    def step(batches):
-        tr.train_step(trainer.model, batches, trainer.zero, trainer.scaler, t.clip_grad,
-                      trainer.device, trainer.dtype, trainer.comm, trainer.pipeline)
-
-    step(trainer.train_data.micro_batches(0))
-    batches = trainer.train_data.micro_batches(t.global_batch_size)
-    states = [v for s in trainer.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor)]
-    opt = trainer.optimizer  # the distributed optimizer's buffers and main weights
-    own = [b.grads for b in getattr(opt, "buckets", [])] + list(
-        getattr(opt, "views", {}).values())
-    held = storage_bytes(list(trainer.model.parameters()) + list(trainer.model.buffers())
-                         + states + own + [v for b in batches for v in b.values()]
-                         + _pipeline_buffers(trainer.pipeline),
-                         host=False)  # the device's: an offload's host copies apart
-    gc.collect()
-    trainer.comm.stats.pop()
-    with LiveBytes() as mem:
-        step(batches)
-    return held + mem.peak, trainer.comm.stats.pop(by_group=True)
-
-
-def _pipeline_buffers(pipeline) -> list:
-    """The pipeline stages' receive buffers held between steps (torch's own stage keeps
-    one per micro-batch and direction; parallel/pipeline.py's none)."""
-    if pipeline is None:
-        return []
-    infos = [i for stage in pipeline.stages
-             for table in (stage.args_recv_info, stage.grad_recv_info)
-             for per_micro in table.values() for i in per_micro]
-    return [getattr(i, "buffer", None) for i in infos]
 
 
 @pytest.fixture(scope="module")
