@@ -99,6 +99,8 @@ def measure_step(trainer, steps: int = 1) -> dict:
                       trainer.zero, trainer.scaler, t.clip_grad, trainer.device, trainer.dtype,
                       trainer.comm, trainer.pipeline)
     batches = trainer.train_data.micro_batches((steps - 1) * t.global_batch_size)
+    if trainer.zero is not None:  # --zero-param-offload: AdamW's new states are the host's
+        trainer.zero.mark_host()
     opt = trainer.optimizer
     optim_states = [v for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
@@ -106,8 +108,8 @@ def measure_step(trainer, steps: int = 1) -> dict:
     # too; what --optimizer-cpu-offload keeps on the host is not device memory
     if hasattr(opt, "buckets"):  # (ZeRO-1's rows are views of the parameters)
         optim_states += list(opt.views.values()) + [b.grads for b in opt.buckets]
-    held = {"params": storage_bytes(list(trainer.model.parameters())
-                                    + list(trainer.model.buffers())),
+    params = list(trainer.model.parameters()) + list(trainer.model.buffers())
+    held = {"params": storage_bytes(params, host=False),  # --zero-param-offload's: host
             "optim": storage_bytes(optim_states, host=False),
             "batches": storage_bytes(v for b in batches for v in b.values())}
     mem = LiveBytes(label="data")
@@ -133,9 +135,9 @@ def measure_step(trainer, steps: int = 1) -> dict:
         tr._finish_grads_and_step = finish
         for h in hooks:
             h.remove()
-    # host memory (never in the peak): offloaded optimizer states, the most activations
+    # host memory (never in the peak): offloaded parameters and optimizer states, the most activations
     # --cpu-offloading-num-layers had on the host at once
-    host = storage_bytes(optim_states, host=True) + mem.host_peak
+    host = storage_bytes(optim_states + params, host=True) + mem.host_peak
     return {"held": held, "peak": mem.peak, "by_phase": dict(mem.peak_by_label),
             "after": after, "seconds": seconds, "host": host}
 

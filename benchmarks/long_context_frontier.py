@@ -1,23 +1,26 @@
-"""The longest sequence per cluster, from the planner: Llama-3-8B's shape and the paper's
-7B/30B shapes on 8, 32 and 64 H100 or A100-80GB, beside ALST's and FPDT's published
-numbers, with where each GiB goes at the limit.
+"""The longest sequence per cluster, from the planner: issue 40's targets (Llama-3-8B on 1,
+8 and 32 H100, the planner's own search over every grid), then Llama-3-8B's shape and the
+paper's 7B/30B shapes on 8, 32 and 64 H100 or A100-80GB, beside ALST's, UPipe's and
+FPDT's published numbers, with where each GiB goes at the limit.
 
-    python benchmarks/long_context_frontier.py            # ~2 min; writes docs/long_context_frontier.md
-    python benchmarks/long_context_frontier.py --out ''   # print only
+    python benchmarks/long_context_frontier.py                  # ~8 min; writes docs/long_context_frontier.md
+    python benchmarks/long_context_frontier.py --targets-only --out ''   # ~5 min, print only
 
-The plan behind the headline rows (Llama-3-8B on 8 and 32 H100) is checked at small scale:
-the same grid flags (Ulysses degree, ZeRO stage, recomputation, MLP tiles, offload, head
-groups) and the same head layout (32 query, 8 kv heads) on a 4-layer model of hidden 512
-at 8K tokens a rank, run as one rank of 8 (and of 32) on torch's fake process group
-(benchmarks/fake_rank.py: the real trainer and step, shapes only), its measured peak
-beside the plan's for the same flags (`small_scale_check`).
+The targets' grids are checked at small scale: the same grid flags (Ulysses and ring
+degrees, ZeRO stage, parameters on the host, recomputation, MLP tiles, offloaded layers,
+head groups) and the same head layout (32 query, 8 kv heads) on a 4-layer model of hidden
+512 at 8K tokens a rank, run as one rank of the same world on torch's fake process group
+(benchmarks/fake_rank.py: the real trainer and step, shapes only) and as a fake CUDA rank
+(training/fake_cuda.py: CUDA's kernels and what autograd saves for them), each measured
+peak beside the plan's for the same flags and device.
 
-For each (model, cluster) the grid is Ulysses over as many ranks as the heads allow (sp),
+For the per-cluster tables the grid is Ulysses over as many ranks as the heads allow (sp),
 ring attention over the rest (cp), tp = pp = dp = 1, one sample of S tokens; the planner
 (planner/search.py) walks its recomputation levels (full recomputation, the tiled MLP,
-activation offload, head groups) and ZeRO stages for the fastest setting that fits the
-GPU less 4 GiB. The longest S: doubled from 128K while some setting fits, then bisected
-to a multiple of 128K. The paper's 7B and 30B (GPT-2 blocks in the paper) are planned
+activation offload of as many layers as the host holds, head groups, FPDT) and ZeRO
+stages for the fastest setting that fits the GPU less 4 GiB. The longest S: doubled from
+128K (the targets: from the target) while some setting fits, then bisected to a multiple
+of 128K. The paper's 7B and 30B (GPT-2 blocks in the paper) are planned
 with Llama blocks (RoPE, RMSNorm, SwiGLU at 8/3 h): a learned position table of S rows
 would itself be S*h parameters (4.3B at 1M tokens for h 4096).
 """
@@ -37,7 +40,7 @@ from megaulysses.hardware import gpu_spec  # noqa: E402
 from megaulysses.planner.memory import plan_memory  # noqa: E402
 from megaulysses.planner.search import configure, search  # noqa: E402
 
-GIB, K = 2 ** 30, 1024
+GIB, MIB, K = 2 ** 30, 2 ** 20, 1024
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--untie-embeddings-and-output-weights", "--bf16", "--tokenizer-type",
@@ -49,8 +52,10 @@ MODELS = {  # name: (layers, hidden, heads, kv heads, ffn, vocab)
 }
 CLUSTERS = [(8, "H100"), (32, "H100"), (64, "H100"), (8, "A100-80GB"), (32, "A100-80GB"),
             (64, "A100-80GB")]
-PUBLISHED = [  # (system, model, GPUs, tokens): the figures issue 24 quotes
+PUBLISHED = [  # (system, model, GPUs, tokens): the figures issues 24 and 40 quote
+    ("DeepSpeed ALST", "Llama-3-8B", "1 x H100-80GB", 0.5e6),
     ("DeepSpeed ALST", "Llama-3-8B", "8 x H100-80GB", 3.7e6),
+    ("Together UPipe (Feb 2026)", "Llama-3-8B", "8 x H100-80GB", 5e6),
     ("DeepSpeed ALST", "Llama-3-8B", "32 x H100-80GB", 15e6),
     ("FPDT (Ulysses-Offload)", "8B", "4 x A100-40GB", 2e6),
 ]
@@ -83,12 +88,16 @@ def fastest(name: str, gpus: int, gpu, seq: int, extra: tuple = ()):
     return (result.ranked[0], cfg) if result.ranked else (None, cfg)
 
 
-def longest(name: str, gpus: int, gpu, extra: tuple = ()) -> tuple:
-    """(S, Candidate, base config) of the longest S (a multiple of STEP) that fits."""
+def longest(name: str, gpus: int, gpu, extra: tuple = (), find=None, start: int = STEP
+            ) -> tuple:
+    """(S, (Candidate, base config)) of the longest S (a multiple of STEP) that fits:
+    doubled from `start`, then bisected. `find(seq)`: (Candidate or None, config), by
+    default `fastest` on the Ulysses-first shape."""
+    find = find or (lambda seq: fastest(name, gpus, gpu, seq, extra))
     fit, miss, best = 0, None, None
-    seq = STEP
+    seq = start
     while miss is None and seq <= 2 ** 28:
-        c, cfg = fastest(name, gpus, gpu, seq, extra)
+        c, cfg = find(seq)
         if c is None:
             miss = seq
         else:
@@ -96,12 +105,83 @@ def longest(name: str, gpus: int, gpu, extra: tuple = ()) -> tuple:
             seq *= 2
     while miss is not None and miss - fit > STEP:
         mid = (fit + miss) // 2 // STEP * STEP
-        c, cfg = fastest(name, gpus, gpu, mid, extra)
+        c, cfg = find(mid)
         if c is None:
             miss = mid
         else:
             fit, best = mid, (c, cfg)
     return fit, best
+
+
+# Issue 40's targets: (H100s, tokens), Llama-3-8B, beside what was measured elsewhere
+TARGETS = ((1, 512 * K, "ALST 500K"), (8, 6 * 2 ** 20, "UPipe 5M, ALST 3.7M"),
+           (32, 24 * 2 ** 20, "ALST 15M"))
+
+
+def planned(gpus: int, seq: int, host_gib=None, **gpu) -> tuple:
+    """(the fastest fitting Candidate or None, base config): Llama-3-8B at `seq` tokens on
+    `gpus` H100, the planner's own search over every grid, offload, chunking and
+    optimizer option (as `tools/plan.py --gpus N --gpu H100` with the model's flags)."""
+    cfg = parse_args(model_flags("Llama-3-8B", seq))
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=MODELS["Llama-3-8B"][5]))
+    result = search(cfg, gpus, gpu_spec("H100", host_memory_gib=host_gib, **gpu))
+    return (result.ranked[0], cfg) if result.ranked else (None, cfg)
+
+
+ONE_GPU_MACHINE = dict(gpus_per_node=1)  # a machine of one GPU with a GPU's share of host
+
+
+def headline_rows() -> tuple[list, dict]:
+    """The targets' table (each the longest the search fits, from the target up; one GPU
+    also on a one-GPU machine) and {gpus: the target's grid}."""
+    rows = ["| H100s | target (measured elsewhere) | longest planned | grid (the planner's "
+            "fastest there) | device GiB (usable) | free GiB (margin kept) | host GiB "
+            "(usable) | tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|"]
+    grids = {}
+    for gpus, target, peers, gpu in [(*t, {}) for t in TARGETS] + [
+            (1, 256 * K, "on a one-GPU machine: a GPU's share of host", ONE_GPU_MACHINE)]:
+        c, _ = planned(gpus, target, **gpu)
+        if c is not None and not gpu:
+            grids[gpus] = c.grid
+        seq, best = longest("Llama-3-8B", gpus, None, start=target,
+                            find=lambda s: planned(gpus, s, **gpu)) if c else (0, None)
+        if best is None:
+            rows.append(f"| {gpus} | {tokens(target)} ({peers}) | < target | | | | | | |")
+            continue
+        pr = best[0].prediction
+        rows.append(f"| {gpus} | {tokens(target)} ({peers}) | {tokens(seq)} ({seq:,}) | "
+                    f"{best[0].grid} | {pr.memory_bytes / GIB:.1f} "
+                    f"({pr.usable_bytes / GIB:.1f}) | "
+                    f"{(pr.usable_bytes - pr.memory_bytes) / GIB:.1f} "
+                    f"({pr.margin_bytes / GIB:.1f}) | {pr.host_bytes / GIB:.0f} "
+                    f"({pr.host_usable_bytes / GIB:.0f}) | {pr.tokens_per_s:,.0f} | "
+                    f"{pr.mfu:.0%} |")
+        print(rows[-1], flush=True)
+    return rows, grids
+
+
+def check_rows(grids: dict) -> list:
+    """The targets' grids at small scale: measured on a fake CPU rank and a fake CUDA rank
+    beside the plan's cpu and cuda branches."""
+    rows = ["| GPUs | the grid's flags at small scale | CPU rank: measured / planned MiB | "
+            "fake CUDA rank: measured / planned MiB | of it unmeasured (kernel scratch) |",
+            "|---|---|---|---|---|"]
+    cuda = fake_cuda_checks(grids)
+    for gpus, grid in sorted(grids.items()):
+        r, c = small_scale_check(grid, gpus), cuda[gpus]
+        cpu = f"{r['measured'] / MIB:.1f} / {r['planned'] / MIB:.1f} ({_err(r)})"
+        if isinstance(c, str):
+            gpu, scratch = f"error: {c}", ""
+        else:
+            gpu = f"{c['measured'] / MIB:.1f} / {c['planned'] / MIB:.1f} ({_err(c)})"
+            scratch = f"{c['unfaked'] / MIB:.1f}"
+        rows.append(f"| {gpus} | `{r['flags']}` | {cpu} | {gpu} | {scratch} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _err(r: dict) -> str:
+    return f"{(r['planned'] - r['measured']) / r['measured']:+.1%}"
 
 
 def breakdown(c, cfg) -> str:
@@ -131,17 +211,52 @@ def small_scale_check(grid, world: int) -> dict:
     import fake_rank
     from megaulysses.config import resolve
     from megaulysses.planner.memory import plan_memory as plan
-    seq = SMALL_LOCAL * world
-    flags = grid.flags() + ["--global-batch-size", "1"]
-    flags = _with(flags, "--cpu-offloading-num-layers", "4" if grid.offload else None)
-    flags = _with(flags, "--tiled-mlp-chunks",
-                  str(min(grid.tiles, 8)) if grid.tiles > 1 else None)
-    argv = SMALL + flags + ["--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+    argv = small_argv(grid, world)
+    flags = argv[len(SMALL):-4]
     r = fake_rank.run_fake_rank(0, world, argv, steps=2)
     cfg = resolve(parse_args(argv), world, 4096)
     return dict(world=world, flags=" ".join(flags), host=r["host"],
                 measured=sum(r["held"].values()) + r["peak"],
                 planned=plan(cfg, cfg.dims, 0, "cpu").peak_bytes)
+
+
+def small_argv(grid, world: int) -> list:
+    """SMALL with `grid`'s flags at SMALL_LOCAL tokens a rank of `world`."""
+    seq = SMALL_LOCAL * world
+    flags = grid.flags() + ["--global-batch-size", "1"]
+    flags = _with(flags, "--cpu-offloading-num-layers", small_offload(grid))
+    flags = _with(flags, "--tiled-mlp-chunks",
+                  str(min(grid.tiles, 8)) if grid.tiles > 1 else None)
+    return SMALL + flags + ["--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+
+
+def _fake_cuda_all(runs: list) -> list:
+    """`fake_cuda.measure` of each (argv, world), in this (fresh) process; a run's error
+    as its traceback's last line."""
+    from megaulysses.training import fake_cuda
+    out = []
+    for argv, world in runs:
+        try:
+            out.append(fake_cuda.measure(argv + ["--num-workers", "0"], world, 0))
+        except Exception as e:  # reported in the table, the others still measured
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def fake_cuda_checks(grids: dict) -> dict:
+    """{world: fake_cuda.measure of `grids[world]`'s small_argv (rank 0 taken for CUDA:
+    flash kernels, 1-byte masks; its plan the cuda branch)}, in one spawned process (the
+    fake device is a process's for good)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    runs = [(small_argv(g, w), w) for w, g in sorted(grids.items())]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(sorted(grids), pool.submit(_fake_cuda_all, runs).result()))
+
+
+def small_offload(grid):
+    """`grid`'s offloaded layers of 32 as a count of SMALL's 4 (at least 1; None: none)."""
+    return str(max(1, grid.offload * 4 // 32)) if grid.offload else None
 
 
 def _with(flags: list, name: str, value) -> list:
@@ -203,39 +318,33 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "long_context_frontier.md"))
     p.add_argument("--no-small-check", action="store_true",
-                   help="skip the fake-rank check of the headline grids")
+                   help="skip the fake-rank checks of the targets' grids")
+    p.add_argument("--targets-only", action="store_true",
+                   help="the targets' table (and checks) alone, not the per-cluster tables")
     args = p.parse_args(argv)
-    tables, headline = [], None
-    for title, host_gib, extra, only in TABLES:
+    head, grids = headline_rows()
+    checks = [] if args.no_small_check else [
+        "The targets' grids at small scale (measured: one rank of the same world on torch's "
+        f"fake process group, {SMALL_LOCAL} tokens a rank, a 4-layer model of hidden 512 "
+        "with 32 query and 8 kv heads, MLP tiles capped at 8, the offloaded share of 32 "
+        "layers as a share of 4; the CUDA rank is training/fake_cuda.py's):", "",
+        *check_rows(grids), ""]
+    tables = []
+    for title, host_gib, extra, only in [] if args.targets_only else TABLES:
         models = [m for m in args.models.split(",") if only is None or m in only]
-        if not models:
-            continue
-        rows, found = frontier(models, host_gib, extra)
-        headline = found if headline is None else headline
-        tables += [title, "", *rows, ""]
-    checks = []
-    if not args.no_small_check:
-        checks = ["| world | the grid's flags | measured MiB | planned MiB | plan error | "
-                  "host MiB |", "|---|---|---|---|---|---|"]
-        for gpus, grid in sorted(headline.items()):
-            r = small_scale_check(grid, gpus)
-            err = (r["planned"] - r["measured"]) / r["measured"]
-            checks.append(f"| {gpus} | `{r['flags']}` | {r['measured'] / 2 ** 20:.1f} | "
-                          f"{r['planned'] / 2 ** 20:.1f} | {err:+.1%} | "
-                          f"{r['host'] / 2 ** 20:.1f} |")
-            print(checks[-1], flush=True)
-        checks = ["The headline grids (2 TB nodes) at small scale (fake ranks, "
-                  f"{SMALL_LOCAL} tokens a rank, a 4-layer model of hidden 512 with 32 query "
-                  "and 8 kv heads; MLP tiles capped at 8, offload of all 4 layers):", "",
-                  *checks, ""]
+        if models:
+            tables += [title, "", *frontier(models, host_gib, extra)[0], ""]
     published = ["| system | model | GPUs | tokens |", "|---|---|---|---|"] + [
         f"| {s} | {m} | {g} | {t / 1e6:.1f}M |" for s, m, g, t in PUBLISHED]
-    text = "\n".join(["# The longest sequence per cluster", "",
-                      "Generated by `python benchmarks/long_context_frontier.py` (the planner: "
-                      "`tools/plan.py`'s memory plan and time model; 4 GiB of each GPU "
-                      "reserved). " + __doc__.split("\n\n")[2].replace("\n", " "), "",
-                      *tables, *checks, "Published (as quoted in issue 24):", "",
-                      *published, ""])
+    text = "\n".join([
+        "# The longest sequence per cluster", "", provenance(), "",
+        "Planned: the planner (`tools/plan.py`'s search, memory plan and time model, the "
+        "plan's CUDA branch; 4 GiB of each GPU reserved, and 10% of the attention "
+        "backward's unmeasured kernel buffers kept free). Measured: the small-scale checks "
+        "alone. " + __doc__.split("\n\n")[2].replace("\n", " "), "",
+        "Issue 40's targets, Llama-3-8B on H100 (2 TB nodes of 8; a job on fewer GPUs than "
+        "a node has the node's host memory):", "", *head, "", *checks, *tables,
+        "Published (as quoted in issues 24 and 40):", "", *published, ""])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -243,6 +352,18 @@ def main(argv=None) -> int:
     else:
         print(text)
     return 0
+
+
+def provenance() -> str:
+    """When, where and on which device branch the figures below were made."""
+    import datetime
+    import platform
+    import torch
+    return (f"Generated by `python benchmarks/long_context_frontier.py` on "
+            f"{datetime.date.today().isoformat()}, {platform.machine()} "
+            f"{platform.system()} with {os.cpu_count()} CPUs, torch {torch.__version__}: "
+            "plans for CUDA (H100, A100-80GB), measured at small scale on CPU and fake CUDA "
+            "ranks.")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ Gen4 x16 (A100 nodes) ~25 GB/s, Gen5 (H100/H200) ~50. `host_adam_gparams`: how f
 fused CPU AdamW on ~12 cores of a 96-core, 8-GPU node): a guess until measured.
 `host_memory_gib`: a GPU's share of its node's host memory, which offloaded activations
 and optimizer states must fit in (less `HOST_RESERVE`): DGX/HGX A100-80GB, H100 and H200
-nodes and the clouds' 8-GPU instances have ~2 TB, DGX A100-40GB 1 TB.
+nodes and the clouds' 8-GPU instances have ~2 TB, DGX A100-40GB 1 TB. A job on fewer GPUs
+than a node has the node to itself (`host_share_gib`: its ranks share the whole node's, as
+an exclusive allocation gives them); a one-GPU machine is a node of one GPU
+(`gpus_per_node` 1), and a shared node is told by overriding `host_memory_gib`.
 
 `ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
 kernel (model/attention/block.py), not flash attention; on CPU it is 1.7x slower than
@@ -63,6 +66,11 @@ RESERVE_GIB = 4.0  # default: what the plan's tensors cannot use (CUDA context, 
 # cuBLAS workspace, the caching allocator's fragmentation)
 HOST_RESERVE = 0.15  # of the host memory: the OS, the data loader, the framework, the page cache
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(GPU) if f.name != "name")
+
+
+def host_share_gib(gpu: GPU, world: int) -> float:
+    """Host memory a rank has: its node's shared by the job's ranks on that node."""
+    return gpu.host_memory_gib * gpu.gpus_per_node / min(world, gpu.gpus_per_node)
 
 
 class UnknownGPU(ValueError):

@@ -43,7 +43,7 @@ GRID_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-s
               "--recompute-granularity": "recompute", "--recompute-activations": "recompute",
               "--tiled-mlp-chunks": "tiles", "--micro-batch-size": "micro_batch",
               "--sequence-parallel": "megatron_sp", "--use-distributed-optimizer": "dist_opt",
-              # given, offload is searched on every layer of a stage
+              # given, that many layers of each stage offloaded; else searched
               "--cpu-offloading-num-layers": "offload", "--attention-head-groups": "head_groups"}
 
 
@@ -89,7 +89,8 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="host link, GB/s per GPU each way (--optimizer-cpu-offload's copies)")
     g.add_argument("--host-memory-gib", dest="host_memory_gib", type=float,
                    help="a GPU's share of its node's host memory (offloaded activations "
-                   "and optimizer states; 15%% of it reserved)")
+                   "and optimizer states; 15%% of it reserved); a job on fewer GPUs than a "
+                   "node shares the whole node's among its ranks")
     g.add_argument("--host-adam-gparams", dest="host_adam_gparams", type=float,
                    help="host AdamW speed, 1e9 parameters/s per GPU")
     return p
@@ -160,7 +161,7 @@ def _fixed(rest: list, cfg) -> dict:
                   zero=par.zero_stage, recompute=mem.recompute_granularity or "none",
                   tiles=mem.tiled_mlp_chunks, micro_batch=cfg.train.micro_batch_size,
                   megatron_sp=par.tp_sequence_parallel, dist_opt=par.use_distributed_optimizer,
-                  offload=mem.cpu_offloading_num_layers > 0,
+                  offload=mem.cpu_offloading_num_layers,
                   head_groups=mem.attention_head_groups)
     return {k: values[k] for k in given}
 

@@ -136,7 +136,7 @@ def mark_host_states(fsdp_params: Iterable, optimizer) -> None:
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                mark_host(v)
+                mark_host(_local(v))  # a DTensor's storage is its local shard's
 
 
 def mark_host_grads(params: list, comm: Comm) -> None:

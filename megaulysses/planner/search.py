@@ -84,7 +84,7 @@ class Grid:
                 f"{', params on host' if self.param_offload else ''}, "
                 f"recompute {self.recompute}"
                 f"{f', MLP tiles {self.tiles}' if self.tiles > 1 else ''}"
-                f"{', activations offloaded' if self.offload else ''}"
+                f"{f', activations offloaded ({self.offload} layers a stage)' if self.offload else ''}"
                 f"{f', head groups {self.head_groups}' if self.head_groups > 1 else ''}"
                 f"{f', FPDT chunks {self.fpdt}' if self.fpdt else ''}, "
                 f"micro-batch {self.micro_batch}")
@@ -166,7 +166,8 @@ def evaluate(base: Config, grid: Grid, gpu: GPU, reserve_gib: float,
                          f"memory per GPU, {p.host_usable_bytes / 2 ** 30:.1f} usable "
                          "(--host-memory-gib)", kind="memory")
     if not p.fits:
-        return Candidate(grid, p, reason=f"needs {p.memory_bytes / 2 ** 30:.1f} GiB on "
+        margin = f" (+{p.margin_bytes / 2 ** 30:.1f} margin)" if p.margin_bytes else ""
+        return Candidate(grid, p, reason=f"needs {p.memory_bytes / 2 ** 30:.1f} GiB{margin} on "
                          f"pipeline rank {p.memory_stage}, {p.usable_bytes / 2 ** 30:.1f} "
                          "usable", kind="memory")
     return Candidate(grid, p)
@@ -226,19 +227,23 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     levels and ZeRO stages (the module doc's order)."""
     dp, tp, pp, sp, cp = shape
     stages = _stages(base, dp * cp * sp, fixed, alone=dp * tp * pp * sp * cp == 1)
-    levels = [level for level in _levels(base, fixed) if all(fixed.get(k, v) == v for k, v
-              in zip(("recompute", "tiles", "offload", "head_groups"), level))]  # offload: bool
+    held = dict(fixed, offload=bool(fixed["offload"])) if "offload" in fixed else fixed
+    levels = [level for level in _levels(base, fixed) if all(held.get(k, v) == v for k, v
+              in zip(("recompute", "tiles", "offload", "head_groups"), level))]
     if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
         levels = [(r, fixed["tiles"], o, g, c) for r, _, o, g, c in _levels(base, fixed)
-                  if fixed.get("recompute", r) == r and fixed.get("offload", o) == o
+                  if fixed.get("recompute", r) == r and held.get("offload", o) == o
                   and fixed.get("head_groups", g) == g]
         levels = list(dict.fromkeys(levels))
     fits, rejected, limit, tried = [], [], len(stages), 0
     for recompute, tiles, offload, groups, chunk in levels:
         for i, (zero, dist_opt, host) in enumerate(stages[:limit]):
+            layers = fixed.get("offload") or base.model.num_layers // pp
             grid = Grid(dp, tp, pp, sp, cp, zero, recompute, tiles, mb, megatron_sp, dist_opt,
-                        base.model.num_layers // pp if offload else 0, groups, host, chunk)
+                        layers if offload else 0, groups, host, chunk)
             c = evaluate(base, grid, gpu, reserve_gib)
+            if offload and "offload" not in fixed:
+                c = _fewer_offloaded(base, c, gpu, reserve_gib)
             tried += 1
             if c.kind == "fits":
                 fits.append(c)
@@ -250,6 +255,26 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
         if limit == 0:
             break
     return fits, rejected, len(levels) * len(stages) - tried
+
+
+def _fewer_offloaded(base: Config, c: Candidate, gpu: GPU, reserve_gib: float) -> Candidate:
+    """`c` (every layer's input of a stage offloaded), or where that outgrows the host's
+    share, the same grid with the most layers offloaded that the host holds: the rest
+    stay on the device, which then holds what the host cannot (host bytes grow and
+    device bytes shrink with the count, so one bisection finds it)."""
+    if c.kind != "memory" or c.prediction.fits_host:
+        return c
+    fit, miss, best = 0, c.grid.offload, None
+    while miss - fit > 1:
+        mid = (fit + miss) // 2
+        trial = evaluate(base, replace(c.grid, offload=mid), gpu, reserve_gib)
+        if trial.kind == "invalid":
+            return c
+        if trial.prediction.fits_host:
+            fit, best = mid, trial
+        else:
+            miss = mid
+    return best or c
 
 
 def _stages(base: Config, n: int, fixed: dict, alone: bool = False

@@ -322,6 +322,8 @@ def step_peak(trainer) -> tuple[int, dict]:
 
     step(trainer.train_data.micro_batches(0))
     batches = trainer.train_data.micro_batches(t.global_batch_size)
+    if trainer.zero is not None:  # --zero-param-offload: AdamW's new states are the host's
+        trainer.zero.mark_host()
     opt = trainer.optimizer
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     own = [b.grads for b in getattr(opt, "buckets", [])] + list(

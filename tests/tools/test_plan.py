@@ -304,3 +304,63 @@ def test_search_puts_the_parameters_on_the_host_last_and_on_one_gpu():
     held = search(base_config(["--zero-stage", "3", "--zero-param-offload"]), 2,
                   gpu_spec("A100-40GB"), {"zero": 3, "micro_batch": 4})
     assert all(c.grid.param_offload for c in held.ranked + held.rejected)
+
+
+def test_search_offloads_as_many_layers_as_the_host_holds():
+    """Where every layer's input on the host outgrows the host's share, the search keeps the
+    rest on the device: the most layers the host holds (a bisection over the count). 512K
+    tokens on one A100-40GB machine with 22 GiB of host memory: 5 of 8 layers."""
+    from dataclasses import replace
+
+    from megaulysses.hardware import gpu_spec
+    from megaulysses.planner.search import evaluate, search
+    base = base_config(["--seq-length", str(2 ** 19), "--max-position-embeddings", str(2 ** 19)])
+    gpu = gpu_spec("A100-40GB", gpus_per_node=1, host_memory_gib=22)
+    best = search(base, 1, gpu, {"micro_batch": 1}).ranked[0]
+    assert 0 < best.grid.offload < 8 and best.grid.param_offload, best.grid
+    assert f"activations offloaded ({best.grid.offload} layers a stage)" in str(best.grid)
+    more = evaluate(base, replace(best.grid, offload=best.grid.offload + 1), gpu, 4.0)
+    assert more.kind == "memory" and not more.prediction.fits_host
+    fewer = evaluate(base, replace(best.grid, offload=best.grid.offload - 1), gpu, 4.0)
+    assert fewer.prediction.memory_bytes > best.prediction.memory_bytes
+    # asked for in the flags: the count is held, not searched
+    held = search(base, 1, gpu, {"micro_batch": 1, "offload": 2})
+    assert {c.grid.offload for c in held.ranked + held.rejected} <= {0, 2}
+
+
+def test_a_job_on_part_of_a_node_has_the_nodes_host_memory():
+    """The host's share is the node's memory over the job's ranks on it: one GPU of an
+    8-GPU node has all of it (an exclusive allocation); a one-GPU machine is a node of one."""
+    from megaulysses.config import resolve
+    from megaulysses.hardware import gpu_spec, host_share_gib
+    from megaulysses.planner.time_model import predict
+    h100 = gpu_spec("H100")
+    assert host_share_gib(h100, 1) == 8 * host_share_gib(h100, 8) == 8 * h100.host_memory_gib
+    assert host_share_gib(h100, 4) == 2 * h100.host_memory_gib
+    assert host_share_gib(h100, 64) == h100.host_memory_gib
+    assert host_share_gib(gpu_spec("H100", gpus_per_node=1), 1) == h100.host_memory_gib
+    cfg = resolve(base_config(), 1, 50257)
+    alone, shared = (predict(cfg, cfg.dims, g) for g in (h100, gpu_spec("H100", gpus_per_node=1)))
+    assert alone.host_usable_bytes == 8 * shared.host_usable_bytes
+
+
+def test_a_grid_fits_with_a_margin_for_the_kernels_unmeasured_buffers():
+    """The fused attention backward's own buffers (cores.py `core_scratch`) are planned but
+    no rank measures them: a grid fits only with UNMEASURED_MARGIN of them free beyond the
+    plan, and the refusal says so. CPU plans have none."""
+    from megaulysses.hardware import gpu_spec
+    from megaulysses.planner.memory import plan_memory
+    from megaulysses.planner.search import Grid, configure, evaluate
+    from megaulysses.planner.time_model import UNMEASURED_MARGIN, predict
+    base = base_config()
+    grid = Grid(1, 1, 1, 1, 1, 0, "full", 4, 1)
+    cfg = configure(base, grid)
+    plan = plan_memory(cfg, cfg.dims, 0, "cuda")
+    assert plan.unmeasured_bytes > 0 and plan_memory(cfg, cfg.dims, 0, "cpu").unmeasured_bytes == 0
+    p = predict(cfg, cfg.dims, gpu_spec("H100"))
+    assert p.margin_bytes == int(UNMEASURED_MARGIN * plan.unmeasured_bytes)
+    # a GPU whose usable memory sits between the plan and the plan with its margin
+    gib = (p.memory_bytes + p.margin_bytes // 2) / 2 ** 30 + 4.0
+    c = evaluate(base, grid, gpu_spec("H100", memory_gib=gib), 4.0)
+    assert c.kind == "memory" and "margin" in c.reason, c.reason
+    assert evaluate(base, grid, gpu_spec("H100", memory_gib=gib + 1), 4.0).kind == "fits"

@@ -156,6 +156,19 @@ def unfaked_attention_backward(b: int, s: int, hq: int, hkv: int, d: int,
     return attention_backward_scratch(b, s, s, hq, hkv, d, dtype.itemsize)
 
 
+def core_scratch(s: _Shape) -> int:
+    """The largest `kernel_scratch` one call of the core's backward allocates (a head
+    group's, an FPDT pair's, else the whole core's; 0 off CUDA or off the fused kernels):
+    the plan's one term no rank measures (training/fake_cuda.py)."""
+    if s.groups > 1:
+        return core_scratch(_group(s))
+    if s.kernel == "fpdt":
+        return kernel_scratch(fpdt_pair(s)) if s.fused else 0
+    if s.kernel in ("sdpa", "fused") or (s.kernel == "ring" and s.fused):
+        return kernel_scratch(s)
+    return 0
+
+
 def kernel_scratch(s: _Shape, rows: float = 1.0, keys: float = 1.0) -> int:
     """`attention_backward_scratch` of one call of the core's fused kernel on CUDA over
     `rows` of its query positions and `keys` of its keys (a ring step's or an FPDT pair's

@@ -31,6 +31,7 @@ import torch
 from megaulysses.config import Config
 from megaulysses.parallel.dims import ParallelDims
 from megaulysses.planner.memory.activations import _Activations
+from megaulysses.planner.memory.cores import core_scratch
 from megaulysses.planner.memory.moments import _held_outside_model, _moments
 from megaulysses.planner.memory.report import MemoryPlan
 from megaulysses.planner.memory.shapes import _describe, _RankLayout, _shape, _zero_ranks
@@ -72,4 +73,5 @@ def plan_memory(cfg: Config, dims: ParallelDims, pp_rank: int = 0,
         host_link_bytes=states.host_link, param_link_bytes=states.param_link_bytes(rank.m),
         # every in-flight micro-batch (model chunk) keeps its share of the stage's copies
         offload_bytes=acts.host * rank.in_flight // rank.chunks + acts.fpdt_host,
-        offload_link_bytes=(acts.host + acts.fpdt_link) * rank.m)
+        offload_link_bytes=(acts.host + acts.fpdt_link) * rank.m,
+        unmeasured_bytes=core_scratch(s) if rank.layers else 0)

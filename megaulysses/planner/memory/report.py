@@ -42,6 +42,9 @@ class MemoryPlan:
     param_link_bytes: int = 0
     offload_bytes: int = 0  # activations in host memory at the peak (--cpu-offloading-*)
     offload_link_bytes: int = 0  # activations copied to the host and back per step, each way
+    # bytes of the peak no rank measures: the fused attention backward's own buffers
+    # (cores.py `core_scratch`), planned from the kernel's source alone
+    unmeasured_bytes: int = 0
 
 
 def format_plan(plan: MemoryPlan) -> str:
