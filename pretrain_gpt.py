@@ -11,6 +11,7 @@ import sys
 import traceback
 
 from megaulysses.config import CheckpointError, ConfigError, TrainingError, parse_args
+from megaulysses.torch_internals import TorchInternalsError
 
 
 def rank() -> int:
@@ -87,12 +88,14 @@ def main(argv=None) -> int:
         if cfg.memory.dry_run:
             from megaulysses.training.dry_run import dry_run
             return dry_run(cfg)
+        from megaulysses.torch_internals import check  # torch's private parts, present
+        check(log=logging.warning)
         from megaulysses.training.trainer import Trainer  # heavy imports after flag checks
         trainer = Trainer(cfg)
         result = trainer.train()
         # Stopped by a signal or the time limit: the job is about to end, so no sampling.
         text = trainer.generate() if result["stopped"] is None else None
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, TorchInternalsError) as e:
         # Every rank meets the same flags and files, so every rank gets here on its own
         # (no collective needed) and exits 2; one line is enough, from rank 0.
         if rank() == 0:

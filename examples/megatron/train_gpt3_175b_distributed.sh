@@ -95,7 +95,8 @@ if [[ -n "$DRY_RUN" ]]; then
 else
     LAUNCH=(torchrun ${DISTRIBUTED_ARGS[@]})
 fi
-cd "$(dirname "$0")/../.."
+# sbatch runs a spool copy of a batch script: then stay in the submit directory
+[[ -f "$(dirname "$0")/../../pretrain_gpt.py" ]] && cd "$(dirname "$0")/../.."
 "${LAUNCH[@]}" pretrain_gpt.py \
     ${GPT_MODEL_ARGS[@]} \
     ${TRAINING_ARGS[@]} \

@@ -3,7 +3,9 @@
 # GPT (24 layers, hidden 2048, 16 heads), 32K tokens on 8 GPUs up to 1M on 256, one
 # sample a step. Ulysses degree up to 16 (the head count); beyond it the ring
 # (--context-parallel-size) multiplies the sequence degree. ZeRO-3, full recompute.
-source "$(dirname "$0")/common.sh"
+# sbatch runs a spool copy of a batch script: then common.sh is in the submit directory's
+here=$(dirname "$0"); [[ -f $here/common.sh ]] || here=examples/paper
+source "$here/common.sh"
 
 # NAME GPUS SEQ SP CP [FLAGS...]
 seq_run() {

@@ -5,7 +5,9 @@
 # Ulysses: sp 8 over the node (the same ranks Megatron-SP spends on tp) x dp over the
 # nodes, ZeRO-3 over dp x sp; the baseline: tp 8 x dp, ZeRO-1 (Megatron's distributed
 # optimizer). Both: one sample per data-parallel rank a step, full recompute.
-source "$(dirname "$0")/common.sh"
+# sbatch runs a spool copy of a batch script: then common.sh is in the submit directory's
+here=$(dirname "$0"); [[ -f $here/common.sh ]] || here=examples/paper
+source "$here/common.sh"
 # Planned to exceed 80 GB a GPU (the test holds every other configuration to 80 GB):
 # expected OOM (paper: Megatron-LM's sequence parallelism runs out of memory at lengths Ulysses still trains, Fig. 5; plan ~79 GiB a GPU, over the 76 usable of 80 (the planner's 4 GiB reserve): 26 GiB of tp-shard parameters, 28 GiB of kept layer inputs, 19 GiB of a layer's backward with whole-sequence all-gathered inputs): dense-30b-megatron-sp-256k
 TAG=dense

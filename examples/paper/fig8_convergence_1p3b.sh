@@ -3,7 +3,9 @@
 # layers, hidden 2048, 16 heads) at 32K tokens on 8 GPUs: Ulysses sp 4 x dp 2 under ZeRO
 # stages 1, 2 and 3, and the Megatron-SP baseline (tp 8 + sequence parallel). The same
 # data, seed and global batch (16 samples) in every run: the loss curves should overlap.
-source "$(dirname "$0")/common.sh"
+# sbatch runs a spool copy of a batch script: then common.sh is in the submit directory's
+here=$(dirname "$0"); [[ -f $here/common.sh ]] || here=examples/paper
+source "$here/common.sh"
 TRAIN_ITERS=${CONVERGENCE_ITERS:-5000}
 COMMON=("${MODEL_1P2B[@]}" --seq-length 32768 --global-batch-size 16 --seed 1234
         "${FULL_RECOMPUTE[@]}")

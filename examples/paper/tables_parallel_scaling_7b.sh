@@ -4,7 +4,9 @@
 # 128 and 256 GPUs; weak scaling, 64K on 64, 128K on 128, 256K on 256 (1K tokens a GPU).
 # One sample a step, the whole world on its sequence: Ulysses over 32 ranks (the head
 # count) x the ring (--context-parallel-size) over the rest; ZeRO-3, full recompute.
-source "$(dirname "$0")/common.sh"
+# sbatch runs a spool copy of a batch script: then common.sh is in the submit directory's
+here=$(dirname "$0"); [[ -f $here/common.sh ]] || here=examples/paper
+source "$here/common.sh"
 
 # NAME GPUS SEQ
 scaling_run() {

@@ -11,6 +11,14 @@
 # PYTHON, if set, is the interpreter that runs torchrun (torch.distributed.run).
 set -uo pipefail
 
+if [ -n "${CHECK_ONLY:-}" ]; then  # the flags only (pretrain_gpt.sbatch's first step)
+    out=$(WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) "${PYTHON:-python}" pretrain_gpt.py \
+        --dry-run "$@" 2>&1 >/dev/null)
+    rc=$?
+    [ "$rc" -eq 0 ] || grep '^error:' <<<"$out" | sed "s/^/${SLURMD_NODENAME:-$(hostname)}: /"
+    exit "$rc"
+fi
+
 markers=$(mktemp -d)
 trap 'rm -rf "$markers"' EXIT
 # The signal reaches torchrun too (SLURM signals the whole step); bash, with a trap, only
@@ -33,7 +41,7 @@ done
 saved=$(find "$markers" -type f | wc -l)
 if [ "$rc" -ne 0 ] && [ "$saved" -eq "$GPUS_PER_NODE" ]; then
     echo "run_node.sh: torchrun exited $rc after a stop request, but all $saved workers on" \
-         "$(hostname) saved and exited cleanly: success"
+         "${SLURMD_NODENAME:-$(hostname)} saved and exited cleanly: success"
     exit 0
 fi
 exit "$rc"
