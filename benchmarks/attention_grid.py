@@ -78,7 +78,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import launch, max_per_kind, table  # noqa: E402
+from _common import launch, max_per_kind, provenance, table  # noqa: E402
 
 from megaulysses.model.attention import (AttentionMask, SparseLayout,  # noqa: E402
                                          attention_block_size, block_attention, computed_pairs,
@@ -139,7 +139,7 @@ def parse_args(argv=None):
         args.kv_heads = args.kv_heads * len(args.heads)
     if len(args.kv_heads) != len(args.heads):
         p.error("--kv-heads: one value, or one per --heads entry")
-    for hq, hkv in zip(args.heads, args.kv_heads):
+    for hq, hkv in zip(args.heads, args.kv_heads, strict=True):
         if hq % hkv:
             p.error(f"--kv-heads {hkv} must divide --heads {hq}")
     try:
@@ -182,7 +182,7 @@ def config_name(U: int, C: int) -> str:
 def config_rows(args) -> list[dict]:
     """Every (heads, configuration, core) row of part 1, with why it cannot run if so."""
     rows = []
-    for hq, hkv in zip(args.heads, args.kv_heads):
+    for hq, hkv in zip(args.heads, args.kv_heads, strict=True):
         for U, C in args.configs:
             cores = args.ulysses_cores if C == 1 else ["ring"]
             for core in cores:
@@ -236,7 +236,7 @@ def reference(q, k, v, dout):
              v[:, :, g:g + 1].clone().requires_grad_()]
         out = math_attention(*t)
         grads = torch.autograd.grad(out, t, dout[:, :, qs])
-        for acc, x in zip(outs, (out.detach(),) + grads):
+        for acc, x in zip(outs, (out.detach(),) + grads, strict=True):
             acc.append(x)
     return [torch.cat(acc, dim=2) for acc in outs]
 
@@ -323,7 +323,7 @@ def run_rank(rank: int, P: int, args, rows: list[dict], ref_path: str) -> dict:
                 ref = refs[(r["hq"], r["hkv"])]
                 out["err_out"] = (y.detach() - ref[0][:, mine]).abs().max().item()
                 out["err_grad"] = max((g - x[:, mine]).abs().max().item()
-                                      for g, x in zip(grads, ref[1:]))
+                                      for g, x in zip(grads, ref[1:], strict=True))
             del y, grads, local
     return res
 
@@ -334,7 +334,7 @@ def part1(args) -> dict:
     try:
         t0 = time.perf_counter()
         refs = {}
-        for hq, hkv in dict.fromkeys(zip(args.heads, args.kv_heads)):
+        for hq, hkv in dict.fromkeys(zip(args.heads, args.kv_heads, strict=True)):
             refs[(hq, hkv)] = reference(*make_inputs(args, hq, hkv))
         ref_s = time.perf_counter() - t0
         ref_path = os.path.join(tmp, "reference.pt")
@@ -464,7 +464,7 @@ def part2(args, log) -> dict:
         row["min_per_fraction"] = row["min_ratio"] / row["fraction"]
     a, b = first["block"], first["sdpa"]
     check = {"out": (a[0] - b[0]).abs().max().item(),
-             "grads": max((x - y).abs().max().item() for x, y in zip(a[1:], b[1:]))}
+             "grads": max((x - y).abs().max().item() for x, y in zip(a[1:], b[1:], strict=True))}
     return {"rows": rows, "seq": S, "heads": h, "head_dim": d, "threads": torch.get_num_threads(),
             "block_vs_sdpa": check}
 
@@ -485,7 +485,9 @@ def machine() -> dict:
 
 def report(res: dict, args) -> str:
     m = res["machine"]
-    lines = [f"# Ulysses x Ring and sparse attention (benchmarks/attention_grid.py)", "",
+    lines = ["# Ulysses x Ring and sparse attention (benchmarks/attention_grid.py)", "",
+             provenance("python benchmarks/attention_grid.py", "every figure measured on "
+                        f"{args.ranks} gloo ranks on this CPU."), "",
              f"{res['date']}; {m['cores']} CPU cores ({m['cpu']}), torch {m['torch']}; "
              f"load average {res['load_start'][0]:.1f} at start, {res['load_end'][0]:.1f} "
              "at end (other processes share the cores).", ""]

@@ -252,7 +252,7 @@ def part_throughput(args) -> dict:
             backend = trainer.run.backend
             t = cfg.train
 
-            def step(i):
+            def step(i, trainer=trainer, t=t):
                 batches = trainer.train_data.micro_batches(i * t.global_batch_size)
                 _sync(device)
                 t0 = time.perf_counter()
@@ -365,7 +365,7 @@ def part_hf(args) -> dict:
             tokens = torch.randint(0, shape["vocab"], (1, seq + 1), generator=gen)
             x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
-            def step():
+            def step(model=model, opt=opt, x=x, y=y):
                 _sync(device)
                 t0 = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16):

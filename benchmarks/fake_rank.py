@@ -230,7 +230,7 @@ def _p2p_held_until_wait():
     def held_batch(ops):
         works = batch(ops)
         if len(works) == len(ops):
-            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, ops)]
+            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, ops, strict=True)]
         return [_HeldWork(w, [op.tensor for op in ops] if i == 0 else [])
                 for i, w in enumerate(works)]
 

@@ -59,8 +59,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -273,7 +271,7 @@ def tokens_per_second(setup: Setup, seq: int, tile_rows: int, steps: int) -> flo
     from _common import launch
     argv = setup.argv(seq, tile_rows)
     per_rank = launch(real_step_seconds, WORLD, argv, setup.untiled_loss, steps)
-    seconds = statistics.median(max(ts) for ts in zip(*per_rank))
+    seconds = statistics.median(max(ts) for ts in zip(*per_rank, strict=True))
     batch = int(argv[argv.index("--global-batch-size") + 1])
     return batch * seq / seconds
 
@@ -343,7 +341,7 @@ def plot(results: dict, args, path: str):
     fig, ax = plt.subplots(figsize=(7, 3.6))
     bars = ax.bar(names, values, color=["#999", "#c66", "#e99", "#36c", "#9bd",
                                         "#139"][:len(names)])
-    for bar, v in zip(bars, values):
+    for bar, v in zip(bars, values, strict=True):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:,.0f}K", ha="center", va="bottom")
     ax.set_yscale("log")
     ax.set_ylabel("longest sequence (K tokens)")
@@ -373,8 +371,12 @@ def main(argv=None) -> int:
                 log(f"tokens/s of ({s.name}) at seq {n} on {WORLD} real gloo ranks ...")
                 results[s.name].setdefault("tokens_per_s", {})[n] = tokens_per_second(
                     s, n, args.tile_rows, args.throughput_steps)
-    text = report(results, args) + ("\n\nwhere (c)'s advantage over (b+) comes from:\n"
-                                      + why if why else "")
+    from _common import provenance
+    text = provenance("python benchmarks/long_sequence.py " + " ".join(sys.argv[1:]),
+                      "longest sequences and tokens/s measured on 8 gloo ranks on this CPU "
+                      "(live tensor bytes, the live-bytes tracker), beside the plan's bytes "
+                      "(cpu).") + "\n\n" + report(results, args) + (
+        "\n\nwhere (c)'s advantage over (b+) comes from:\n" + why if why else "")
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

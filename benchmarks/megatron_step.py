@@ -312,7 +312,7 @@ def check_losses(tp: int, ranks: list[dict]) -> float:
     worst, rel = 0.0, 0.0
     for name, r in ranks[0]["sides"].items():
         print(f"tp{tp} {name:14s} losses: " + " ".join(f"{x:.7f}" for x in r["losses"]))
-        for a, b in zip(r["losses"], theirs):
+        for a, b in zip(r["losses"], theirs, strict=True):
             worst, rel = max(worst, abs(a - b)), max(rel, abs(a - b) / abs(b))
     print(f"tp{tp} largest |loss - megatron-core's| over {CHECK_STEPS} steps: {worst:.1e} "
           f"({rel:.1e} relative; fp32 tolerance {LOSS_RTOL:.0e} relative)")

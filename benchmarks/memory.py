@@ -192,7 +192,7 @@ def plot(rows: dict, args, png: str):
         axes[1].bar(xs, [rows[(sp, z)]["peak"] / MIB for z in args.zero], width,
                     label=f"sp {sp}")
     titles = ("model states per rank (after the step)", "peak tensor memory per rank")
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks(args.zero, [f"ZeRO-{z}" for z in args.zero])
         ax.set_ylabel("MiB")
         ax.set_title(title)

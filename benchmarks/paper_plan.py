@@ -31,6 +31,8 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import provenance  # noqa: E402
 from megaulysses.config import parse_args  # noqa: E402
 from megaulysses.training.data import load_tokenizer  # noqa: E402
 from megaulysses.hardware import RESERVE_GIB, gpu_spec  # noqa: E402
@@ -161,6 +163,9 @@ def markdown(scripts: list, comp: dict, gpu, seconds: float) -> str:
         " (the sweep's end)" if s == SEQS[-1] else "")
     lines = [
         "# The paper's runs, planned (`python benchmarks/paper_plan.py`)", "",
+        provenance("python benchmarks/paper_plan.py", f"planned for {gpu.name} (the "
+                   "planner); the measured column read from docs/long_sequence.json and the "
+                   "benchmarks it names (CPU)."), "",
         f"Predicted by `tools/plan.py`'s model on {gpu.name} ({gpu.peak_tflops:g} TFLOP/s bf16 "
         f"at efficiency {gpu.efficiency}, ring kernel at {gpu.ring_kernel_speed} of flash, "
         f"{gpu.memory_gib:g} GiB less 4 reserved, NVLink {gpu.nvlink_gbps:g} / InfiniBand "
@@ -284,6 +289,8 @@ def _distance(x: float, low: float, high: float) -> str:
 
 
 def main() -> int:
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     t0 = time.time()
     gpu = gpu_spec("A100-80GB")
     scripts = scripted(gpu)

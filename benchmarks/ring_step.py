@@ -146,7 +146,7 @@ def _max_diff(fused, block, rect) -> float:
     kernel returns all of them: zeros elsewhere)."""
     rows, keys, _ = rect
     pairs = zip(fused, (block[0][:, rows], block[1][:, rows], block[2][:, keys],
-                        block[3][:, keys]))
+                        block[3][:, keys]), strict=True)
     return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
 
 
@@ -182,7 +182,7 @@ def ring_rank(rank, world, args, s: int, dname: str) -> dict:
             outs[name] = (out, *grads)
     ring.plain_fused_kernel = fused_pick
     diff = max((a.float() - b.float()).abs().max().item()
-               for a, b in zip(outs["fused"], outs["block"]))
+               for a, b in zip(outs["fused"], outs["block"], strict=True))
     return {"times": times, "diff": diff}
 
 

@@ -97,7 +97,8 @@ def run(rank: int, P: int, seq: int, warmup: int, reps: int, variants: list) -> 
                 *seconds, results[overlap] = _step(layers[overlap], x, dy, comm.stats.timers)
                 if rep >= warmup:
                     times[overlap].append(seconds)  # (step, exposed all-to-all)
-            same = all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+            same = all(torch.equal(a, b)
+                       for a, b in zip(results[True], results[False], strict=True))
             assert same, f"{variant}: overlapped and blocking results differ"
         out[variant] = times
     return out

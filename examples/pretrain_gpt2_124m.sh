@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT-2 small (124M) in Megatron-LM's style: learned positions, LayerNorm, GeLU, biases,
 # tied embeddings. Point DATA at a Megatron-format prefix and TOK at its tokenizer.
-# Runs on one process today; the parallel grid flags arrive with the next releases.
+# One process as written; under torchrun add the grid's flags (docs/guides/grid.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:?set DATA to a .bin/.idx prefix, e.g. corpus_text_document}

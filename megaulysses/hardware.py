@@ -25,17 +25,18 @@ than a node has the node to itself (`host_share_gib`: its ranks share the whole 
 an exclusive allocation gives them); a one-GPU machine is a node of one GPU
 (`gpus_per_node` 1), and a shared node is told by overriding `host_memory_gib`.
 
-`ring_kernel_speed`: under ring attention (cp > 1) each ring step runs our torch block
-kernel (model/attention/block.py), not flash attention; on CPU it is 1.7x slower than
-torch's SDPA (docs/attention_grid.md). On a GPU it is unmeasured: 0.5 is a guess, to be
-replaced by a measurement (or by a flash-attn ring step, which would make it 1).
+`ring_kernel_speed`: under ring attention (cp > 1) a ring step under the plain causal
+mask runs the fused kernel (model/attention/fused.py), any other mask our torch block
+kernel (model/attention/block.py), 1.7x slower than torch's SDPA on CPU
+(docs/attention_grid.md). On a GPU it is unmeasured: 0.5 is a guess, to be replaced by a
+measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def gpu_spec(name: str, **overrides: Optional[float]) -> GPU:
     by_lower = {k.lower(): g for k, g in GPUS.items()}
     if name.lower() not in by_lower:
         raise UnknownGPU(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
-    changes = {k: v for k, v in overrides.items() if v is not None}
+    # Any: the fields are floats and one int (gpus_per_node, an int flag); checked below
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     bad = [k for k in changes if k not in OVERRIDABLE]
     if bad:
         raise ValueError(f"not a GPU field: {', '.join(bad)}")

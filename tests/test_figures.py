@@ -34,8 +34,11 @@ PROVENANCE_PENDING = {"docs/attention_grid.md", "docs/long_sequence.md"}
 OTHER_SOURCES = ("megaulysses/hardware.py", "benchmarks/README.md")
 HAND_WRITTEN = ["README.md", "CONTRIBUTING.md", *sorted(glob.glob("docs/guides/*.md",
                                                                root_dir=ROOT))]
+# A number with a unit of memory, speed or share, a ratio (1.13x), or a token count as
+# results print it (6.00M): an integer 8K or 124M is a setting or a name, not a result.
 FIGURE = re.compile(r"(?<![\w.,/-])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)"
-                    r"(?:\s?(?:GiB|MiB|GB/s|GB|TB|tokens/s|TFLOP/s)\b|%|x\b|×|[MK]\b)")
+                    r"(?:\s?(?:GiB|MiB|GB/s|GB|TB|tokens/s|TFLOP/s)\b|%|x\b|×)"
+                    r"|(?<![\w.,/-])(\d+\.\d+)[MK]\b")
 
 
 def _read(path: str) -> str:
@@ -76,7 +79,7 @@ def test_every_figure_names_a_written_source_that_holds_it(doc):
         pytest.skip(f"{doc} does not exist")
     bad = []
     for line, block in blocks(_read(doc)):
-        figures = [m.group(1) for m in FIGURE.finditer(block)]
+        figures = [m.group(1) or m.group(2) for m in FIGURE.finditer(block)]
         if not figures:
             continue
         sources = _sources(block)
@@ -104,7 +107,8 @@ def test_each_written_file_says_where_and_when_it_was_made(path):
 
 
 def test_the_figure_finder_reads_units_not_grid_sizes():
-    found = [m.group(1) for m in FIGURE.finditer(
-        "dp 2 x tp 2 at 72.6 GiB, 6.00M tokens, 1.13x, 54% MFU, 6,291,456 and 433 tokens/s")]
+    found = [m.group(1) or m.group(2) for m in FIGURE.finditer(
+        "dp 2 x tp 2 at 72.6 GiB, 6.00M tokens, 1.13x, 54% MFU, 6,291,456 and 433 tokens/s, "
+        "GPT-2 124M at 32K tokens")]
     assert found == ["72.6", "6.00", "1.13", "54", "433"]
     assert _in("72.6", "| 72.6 (75.6) |") and not _in("72.6", "172.65")

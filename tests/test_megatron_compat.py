@@ -266,7 +266,6 @@ def test_the_generator_reads_a_parser_and_keeps_the_history(tmp_path):
     new table is written again from the same commit."""
     import argparse
     import enum
-    import json
     import megatron_args as gen
 
     class Backend(enum.Enum):

@@ -3,7 +3,6 @@ from its arguments.py as data (megaulysses/config/megatron_args.json), except th
 megatron_defaults.DIFFERENT_DEFAULTS names with the reason. And without a data source the
 bundled run's preset applies, printed, and overridden by any flag given."""
 
-import argparse
 import json
 import os
 from dataclasses import fields

@@ -305,7 +305,7 @@ def read_hf_config(hf_dir: str) -> tuple:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConvertError(path, f"unreadable ({e})")
+        raise ConvertError(path, f"unreadable ({e})") from None
     arch = raw.get("model_type") if isinstance(raw, dict) else None
     if arch not in FAMILIES:
         raise ConvertError(path, f"model_type {arch!r} is not supported (only "
@@ -313,7 +313,7 @@ def read_hf_config(hf_dir: str) -> tuple:
     try:
         return arch, read_family_config(arch, hf_dir), raw
     except Exception as e:  # transformers' own validation of the config
-        raise ConvertError(path, " ".join(str(e).split()))
+        raise ConvertError(path, " ".join(str(e).split())) from None
 
 
 def shape_from_hf(arch: str, c, raw: dict, vocab_size: int, seq_length,
@@ -374,7 +374,7 @@ def check_flags_build(flags: list, cfg: ModelConfig, window: Optional[int]):
     try:  # the trainer's own start: the flags' rules, then resolve on one process
         built = resolve(parse_args(flags), 1, cfg.vocab_size).model
     except ConfigError as e:
-        raise ConvertError("config.json", f"our trainer cannot build this model: {e}")
+        raise ConvertError("config.json", f"our trainer cannot build this model: {e}") from None
     if built.shape_dict() != cfg.shape_dict() or built.window_size != window:
         raise AssertionError(f"flags {flags} build {built.shape_dict()}, not {cfg.shape_dict()}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Optional
 
 from hf_errors import ConvertError
 
@@ -26,21 +27,21 @@ PROBE_RESERVED = "<s> </s> <unk> <0x41> "
 SP_NORMAL, SP_USER_DEFINED = 1, 4
 SP_UNIGRAM, SP_BPE = 1, 2
 
-def sp_processor(path: str, where: str = None):
+def sp_processor(path: str, where: Optional[str] = None):
     """SentencePieceProcessor, or ConvertError naming `where` (default: the file)."""
     import sentencepiece as spm
     try:
         return spm.SentencePieceProcessor(model_file=path)
     except (OSError, RuntimeError) as e:
         raise ConvertError(where or path, f"{path} is not a readable SentencePiece model "
-                                          f"({' '.join(str(e).split())})")
+                                          f"({' '.join(str(e).split())})") from None
 
 
 def _sp_proto(path: str):
     """The model's protobuf (pieces with types and scores, trainer and normalizer specs)."""
     from sentencepiece import sentencepiece_model_pb2
     sp_processor(path)  # a clear error for a file that is not a model
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # generated
     with open(path, "rb") as f:
         proto.ParseFromString(f.read())
     return proto
@@ -87,8 +88,8 @@ def _whitespace_rules(proto, path: str):
     if proto.trainer_spec.treat_whitespace_as_suffix or not spec.escape_whitespaces:
         raise ConvertError(path, "only whitespace as a prefix '\u2581' is supported "
                                  "(pass --no-tokenizer)")
-    norm = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap \
-        else []
+    norm: list[normalizers.Normalizer] = (
+        [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else [])
     dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if spec.add_dummy_prefix:  # SentencePiece puts a space before non-empty text
         norm.append(normalizers.Prepend("\u2581"))
@@ -118,8 +119,9 @@ def _check_same_encoding(tok, path: str, text: str):
     want = sp_processor(path).encode(text)
     got = tok.encode(text).ids
     if got != want:
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got),
-                                                                                   len(want)))
+        # strict=False: the encodings may differ in length; the first mismatch is what counts
+        pairs = zip(got, want, strict=False)
+        at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got), len(want)))
         raise ConvertError(path, f"the Hugging Face tokenizer built from it encodes a probe "
                                  f"text differently from SentencePiece (token {at}); pass "
                                  "--no-tokenizer to export without tokenizer files")

@@ -166,8 +166,8 @@ def checkpoint_tokenizer(meta: dict, path: str, skip: bool) -> tuple:
                 from megaulysses.data.hf_tokenizer import hf_tokenizer_files
                 return Found(kind, hf_tokenizer_files(path)), None
             return Found(kind, {name: os.path.join(path, name) for name in names}), None
-    kind = (meta.get("tokenizer") or {}).get("type")
-    why = "a NullTokenizer run" if kind == "NullTokenizer" else (
+    run_type = (meta.get("tokenizer") or {}).get("type")
+    why = "a NullTokenizer run" if run_type == "NullTokenizer" else (
         f"no {TOKENIZER_MODEL}, {' and '.join(GPT2_FILES)} or {TOKENIZER_JSON} in it")
     return Found(None), f"{path}: {why}: exported without tokenizer files"
 
@@ -199,7 +199,7 @@ def save_gpt2_tokenizer(vocab: str, merges: str, out: str, max_length: int) -> d
     theirs.model_max_length = max_length  # after the probe, which may be longer
     theirs.save_pretrained(out)
     # GPT-2's own files too, as its repository has them (slow tokenizers, from-hf).
-    for name, path in zip(GPT2_FILES, (vocab, merges)):
+    for name, path in zip(GPT2_FILES, (vocab, merges), strict=True):
         shutil.copyfile(path, os.path.join(out, name))
     return {"bos": ours.eod, "eos": ours.eod, "unk": ours.eod, "pad": None}
 
@@ -249,8 +249,9 @@ def check_hf_tokenizer(out: str, found: Found) -> None:
     try:
         theirs = AutoTokenizer.from_pretrained(out)
     except Exception as e:  # transformers' many ways to fail on a tokenizer it cannot load
-        raise ConvertError(tok.json_path, f"transformers' AutoTokenizer cannot load it "
-                                          f"({' '.join(str(e).split())}); pass --no-tokenizer")
+        why = " ".join(str(e).split())
+        raise ConvertError(tok.json_path, f"transformers' AutoTokenizer cannot load it ({why}); "
+                                          "pass --no-tokenizer") from None
     if theirs.encode(PROBE_TEXT, add_special_tokens=False) != tok.tokenize(PROBE_TEXT):
         raise ConvertError(tok.json_path, "transformers' AutoTokenizer encodes a probe text "
                                           "differently from the tokenizers library with it; "
@@ -262,6 +263,6 @@ def export_tokenizer(found: Found, out: str, max_length: int, eod: Optional[int]
     if found.kind == "sentencepiece":
         return save_tokenizer(found.files[TOKENIZER_MODEL], out, max_length)
     if found.kind == "gpt2":
-        return save_gpt2_tokenizer(*(found.files[name] for name in GPT2_FILES), out,
-                                   max_length)
+        vocab, merges = (found.files[name] for name in GPT2_FILES)
+        return save_gpt2_tokenizer(vocab, merges, out, max_length)
     return save_hf_tokenizer(found.files, out, max_length, eod)

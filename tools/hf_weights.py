@@ -53,7 +53,7 @@ def from_hf_tensor(link: Link, tensor, shapes: dict) -> dict:
         return {link.ours[0]: tensor.t() if link.kind == "t" else tensor}
     rows = [shapes[name][0] for name in link.ours]
     fused = tensor.t() if link.kind == "fused_t" else tensor
-    return dict(zip(link.ours, fused.split(rows, dim=0)))
+    return dict(zip(link.ours, fused.split(rows, dim=0), strict=True))
 
 
 def our_shapes(cfg) -> dict:
@@ -74,7 +74,7 @@ def _weight_files(hf_dir: str) -> list:
                 with open(path) as f:
                     shards = sorted(set(json.load(f)["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ConvertError(path, f"unreadable ({e})")
+                raise ConvertError(path, f"unreadable ({e})") from None
             return [os.path.join(hf_dir, s) for s in shards]
     for name in ("model.safetensors", "pytorch_model.bin"):
         if os.path.exists(os.path.join(hf_dir, name)):
@@ -85,13 +85,13 @@ def _weight_files(hf_dir: str) -> list:
 def read_hf_weights(hf_dir: str) -> dict:
     import torch
     from safetensors.torch import load_file
-    weights = {}
+    weights: dict[str, torch.Tensor] = {}
     for path in _weight_files(hf_dir):
         try:
             weights.update(load_file(path) if path.endswith(".safetensors") else
                            torch.load(path, map_location="cpu", weights_only=True))
         except Exception as e:  # SafetensorError, unpickling errors, missing shards
-            raise ConvertError(path, f"unreadable ({' '.join(str(e).split())})")
+            raise ConvertError(path, f"unreadable ({' '.join(str(e).split())})") from None
     return weights
 
 
@@ -101,12 +101,12 @@ def source_dtype(config: dict, weights: dict) -> str:
     for key in ("dtype", "torch_dtype"):
         if config.get(key) in DTYPES:
             return config[key]
-    counts = {}
+    counts: dict[str, int] = {}
     for t in weights.values():
         if t.is_floating_point():
             name = str(t.dtype).replace("torch.", "")
             counts[name] = counts.get(name, 0) + t.numel()
-    return max(counts, key=counts.get) if counts else "float32"
+    return max(counts, key=counts.__getitem__) if counts else "float32"
 
 
 # Buffers some checkpoints carry that are not parameters (old transformers versions).
@@ -160,7 +160,8 @@ def state_from_hf(cfg, arch: str, weights: dict, where: str) -> dict:
 def shards(tensors: dict, max_bytes: int) -> list:
     """Consecutive groups of tensor names, each at most `max_bytes` unless one tensor alone
     is bigger (it gets a shard of its own), in the tensors' order."""
-    groups, size = [[]], 0
+    groups: list[list[str]] = [[]]
+    size = 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if groups[-1] and size + nbytes > max_bytes:

@@ -70,7 +70,9 @@ def value(node: Optional[ast.expr]) -> Any:
     if isinstance(node, ast.Call) and text.startswith("range("):
         return list(range(*(value(a) for a in node.args)))
     if isinstance(node, ast.Call) and text.startswith("int(os.getenv("):
-        return int(value(node.args[0].args[1]))
+        getenv = node.args[0]
+        assert isinstance(getenv, ast.Call)  # the text says so
+        return int(value(getenv.args[1]))
     raise ValueError(f"line {node.lineno}: cannot read {text!r} as a value")
 
 
@@ -82,8 +84,8 @@ def text_of(node: ast.expr) -> str:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return text_of(node.left) + text_of(node.right)
     if isinstance(node, ast.JoinedStr):
-        return "".join(text_of(v) if isinstance(v, ast.Constant) else
-                       "{" + ast.unparse(v.value) + "}" for v in node.values)
+        return "".join("{" + ast.unparse(v.value) + "}" if isinstance(v, ast.FormattedValue)
+                       else text_of(v) for v in node.values)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
         return text_of(node.left)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -112,7 +114,7 @@ def _type_name(node: Optional[ast.expr]) -> Optional[str]:
 def _action(node: Optional[ast.expr]) -> Optional[str]:
     if node is None:
         return None
-    text = ast.unparse(node) if not isinstance(node, ast.Constant) else node.value
+    text = str(node.value) if isinstance(node, ast.Constant) else ast.unparse(node)
     return "BooleanOptionalAction" if text.endswith("BooleanOptionalAction") else text
 
 
@@ -128,7 +130,7 @@ def flag_record(call: ast.Call, group: str) -> dict:
     if "default" in kw:
         default = value(kw["default"])
     else:
-        default = {"store_true": False, "store_false": True}.get(action)
+        default = {"store_true": False, "store_false": True}.get(action or "")
     return {"flag": flag, "aliases": aliases,
             "dest": value(kw["dest"]) if "dest" in kw else flag[2:].replace("-", "_"),
             "default": default, "action": action, "type": _type_name(kw.get("type")),
@@ -142,33 +144,41 @@ def _groups(fn: ast.FunctionDef) -> dict[str, str]:
     parent's)."""
     titles: dict[str, str] = {}
     for node in ast.walk(fn):
-        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Attribute)):
+        if not isinstance(node, ast.Assign):
             continue
-        call, name = node.value, node.targets[0].id
+        call = node.value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+            continue
         if call.func.attr == "add_argument_group":
             kw = {k.arg: k.value for k in call.keywords}
-            titles[name] = ast.literal_eval(kw.get("title") or call.args[0])
+            titles[_var(node.targets[0])] = ast.literal_eval(kw.get("title") or call.args[0])
         elif call.func.attr == "add_mutually_exclusive_group":
-            titles[name] = titles[call.func.value.id]
+            titles[_var(node.targets[0])] = titles[_var(call.func.value)]
     return titles
+
+
+def _var(node: ast.expr) -> str:
+    """A variable's name (a parser or group: arguments.py assigns and calls no other)."""
+    if not isinstance(node, ast.Name):
+        raise ValueError(f"line {node.lineno}: expected a variable, got {ast.unparse(node)!r}")
+    return node.id
 
 
 def extract(source: str) -> list[dict]:
     """Every flag of arguments.py, in add_megatron_arguments' order."""
     tree = ast.parse(source)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    calls = sorted((c for c in ast.walk(functions["add_megatron_arguments"])
-                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)),
-                   key=lambda c: c.lineno)
+    called = sorted(((c.lineno, c.func.id) for c in ast.walk(functions["add_megatron_arguments"])
+                     if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)),
+                    key=lambda pair: pair[0])
     flags = []
-    for name in (c.func.id for c in calls):
+    for _, name in called:
         fn = functions[name]
         titles = _groups(fn)
-        calls = sorted((c for c in ast.walk(fn) if isinstance(c, ast.Call)
-                        and isinstance(c.func, ast.Attribute) and c.func.attr == "add_argument"),
-                       key=lambda c: c.lineno)
-        flags += [flag_record(c, titles[c.func.value.id]) for c in calls]
+        adds = sorted(((c, c.func.value) for c in ast.walk(fn) if isinstance(c, ast.Call)
+                       and isinstance(c.func, ast.Attribute) and c.func.attr == "add_argument"),
+                      key=lambda pair: pair[0].lineno)
+        flags += [flag_record(c, titles[_var(group)]) for c, group in adds]
     return flags
 
 
@@ -259,7 +269,7 @@ def extract_from_checkout(checkout: str, stub: list[str]) -> list[dict]:
     in its --help order."""
     import typing
     if not hasattr(typing, "override"):  # Python 3.12's, which it imports; a no-op
-        typing.override = lambda f: f
+        typing.override = lambda f: f  # type: ignore[attr-defined]  # 3.12's, not in 3.11's
     _stub_missing(stub)
     sys.path.insert(0, os.path.abspath(checkout))
     for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
@@ -267,7 +277,9 @@ def extract_from_checkout(checkout: str, stub: list[str]) -> list[dict]:
     from megatron.training.arguments import add_megatron_arguments
     import types
     for name, attrs in OPTIONAL_GROUPS.items():
-        sys.modules[name] = types.SimpleNamespace(**attrs)
+        stand_in = types.ModuleType(name)
+        stand_in.__dict__.update(attrs)
+        sys.modules[name] = stand_in
     assert os.path.abspath(sys.modules["megatron"].__path__[0]).startswith(
         os.path.abspath(checkout)), "megatron imported from elsewhere"
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
@@ -313,7 +325,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.arguments_py) as f:
             flags = extract(f.read())
         where = "megatron/training/arguments.py"
-    doc = {"source": f"NVIDIA/Megatron-LM {where} @ {args.commit}", "flags": flags}
+    doc: dict[str, Any] = {"source": f"NVIDIA/Megatron-LM {where} @ {args.commit}",
+                           "flags": flags}
     if args.previous and os.path.exists(args.previous):
         with open(args.previous) as f:
             previous = json.load(f)

@@ -30,6 +30,7 @@ def read_any(load: str) -> tuple[dict, dict, str]:
     if not is_megatron(load):
         from megaulysses.training.checkpoint import find_checkpoint, read_model_checkpoint
         path = find_checkpoint(load)
+        assert path is not None  # without --save to resume into, it finds one or raises
         meta, state = read_model_checkpoint(path)
         return meta, state, path
     ckpt = read_megatron(load)

@@ -16,7 +16,7 @@ alone means a NullTokenizer of that size.
 
 Prints the top grids (memory per GPU, iteration time, tokens/s, TFLOP/s per GPU, MFU),
 the grids faster than the best that did not fit, and why the others were rejected. The
-model behind the numbers, its assumptions and where it is wrong: README "Planning a run".
+model behind the numbers, its assumptions and where it is wrong: docs/guides/planning.md.
 Bad input (unknown GPU, an impossible grid, a model that fits nowhere): one line, exit 2.
 """
 
@@ -118,9 +118,9 @@ def plan(argv: list):
         gpu = gpu_spec(args.gpu, **{k: getattr(args, k) for k in OVERRIDABLE})
     except UnknownGPU as e:
         raise PlanError(f"--gpu: {e} (for another part, take the closest and override "
-                        "its fields: --gpu-peak-tflops, --gpu-memory-gib, ...)")
+                        "its fields: --gpu-peak-tflops, --gpu-memory-gib, ...)") from None
     except ValueError as e:
-        raise PlanError(f"--gpu overrides: {e}")
+        raise PlanError(f"--gpu overrides: {e}") from None
     if args.calibration:
         gpu = calibrated(gpu, args.calibration)
     base = parse_args(_run_flags(rest))
@@ -200,7 +200,7 @@ def calibrated(gpu, path: str):
             part = json.load(f)["parts"]["throughput"]
         device, step_s, flags = part["device"], part["step_s"], part["flags"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PlanError(f"--calibration: {path}: no measured throughput part ({e})")
+        raise PlanError(f"--calibration: {path}: no measured throughput part ({e})") from None
     if gpu.name.split("-")[0] not in device:
         raise PlanError(f"--calibration: {path} was measured on {device}, not {gpu.name}")
     cfg = parse_args(flags)
@@ -252,7 +252,7 @@ def _table(cands: list) -> list:
             for i, c in enumerate(cands)]
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "  ".join(v.ljust(w) if i == 1 else v.rjust(w)  # noqa: E731
-                              for i, (v, w) in enumerate(zip(r, widths)))
+                              for i, (v, w) in enumerate(zip(r, widths, strict=True)))
     return [fmt(head)] + [fmt(r) for r in rows]
 
 

@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import sys
+from typing import Sequence
 
 # SentencePiece trains on sentences; we feed it lines, and it skips any longer
 # than max_sentence_length bytes.  Verse and prose lines are far shorter.
@@ -54,7 +55,7 @@ def _json_texts(path: str, line_no: int, line: str, keys: list[str]) -> list[str
 
 def train_tokenizer(inputs: list[str], model_prefix: str, vocab_size: int = 8192,
                     model_type: str = "bpe", character_coverage: float = 1.0,
-                    json_keys: list[str] = ("text",), num_threads: int = 1) -> str:
+                    json_keys: Sequence[str] = ("text",), num_threads: int = 1) -> str:
     """Train and write ``<model_prefix>.model``; returns its path."""
     import sentencepiece as spm
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import sys
@@ -62,8 +63,9 @@ def plot(curves: dict, png: str):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = ["-", "--", "-.", ":", (0, (5, 1))]
+    # the styles repeat: one curve per run, however many runs
     for (name, curve), style in zip(sorted(curves.items(), key=lambda kv: kv[0] != REFERENCE),
-                                    styles * 4):
+                                    itertools.cycle(styles), strict=False):
         its = sorted(curve)
         ax.plot(its, [curve[i] for i in its], linestyle=style, linewidth=1.4,
                 label=LABELS.get(name, name))

@@ -88,9 +88,11 @@ ReturnToService=2
 # Only jobs submitted with --requeue are requeued (a node failure otherwise requeues every
 # batch job): what pretrain_gpt.sbatch's comment tells users to pass.
 JobRequeue=0
-# A lost node is noticed within ~20-30 s (a loaded 2-core machine must not lose one);
-# a killed job's processes get 30 s to save.
-SlurmdTimeout=20
+# A lost node is noticed within ~60 s: the job's other node must first see its collective
+# fail and name the lost ranks (seconds on a quiet machine, 20 s and more on a loaded
+# 2-core one, where a 20 s timeout killed the step before it printed the line); a killed
+# job's processes get 30 s to save.
+SlurmdTimeout=60
 SlurmctldTimeout=10
 KillWait=30
 MinJobAge=3600

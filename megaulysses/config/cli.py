@@ -103,7 +103,7 @@ def positive_int(name: str) -> Callable[[str], int]:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
         return v
@@ -116,7 +116,7 @@ def finite_float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return v
@@ -129,7 +129,7 @@ def window_size(text: str) -> Optional[int]:
         values = [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer W or Megatron-LM's L,R, got "
-                                         f"{text!r}")
+                                         f"{text!r}") from None
     if len(values) == 1:
         return positive_int("--window-size")(text)
     if len(values) != 2:
@@ -137,7 +137,7 @@ def window_size(text: str) -> Optional[int]:
     try:
         return megatron_window(*values)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _gpu_name(text: str) -> str:
@@ -146,7 +146,7 @@ def _gpu_name(text: str) -> str:
     try:
         return gpu_spec(text).name
     except UnknownGPU as e:
-        raise argparse.ArgumentTypeError(str(e))
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _ACTIONS = {"optional": argparse.BooleanOptionalAction}
@@ -158,7 +158,9 @@ def _type(kind: Optional[str], flag: str) -> Optional[Callable[[str], Any]]:
 
 
 def _default(f: Field) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default
+    if f.default_factory is not MISSING:  # the schema's list defaults
+        return f.default_factory()
+    return f.default
 
 
 def _add_flag(group, f: Field, flag: Flag, default: Any) -> None:

@@ -5,7 +5,9 @@ command line (cli.py) is generated from this metadata."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,12 @@ def derived(default: Any = None) -> Any:
     """A field with no flag: filled from other flags, the world size or the tokenizer by
     resolve(), or while parsing."""
     return field(default=default, metadata={})
+
+
+def filled(value: Optional[T], name: str) -> T:
+    """`value` of a field that resolve() (or parsing) has filled, typed without its None;
+    None means a caller skipped resolve(): a bug, named by the field `name`."""
+    if value is None:
+        raise AssertionError(f"{name} is None where parsing, the rules or resolve() give it a "
+                             "value")
+    return value

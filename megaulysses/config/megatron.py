@@ -108,8 +108,8 @@ def table_flags() -> dict[str, tuple[MegatronFlag, str, str]]:
     """flag -> (its MegatronFlag, status, reason), for every Megatron-LM flag that is not
     ours and has a row (a flag the schema declares leaves the tables)."""
     ours = schema_options()
-    return {m.flag: (m, *row(m)) for m in megatron_flags()
-            if not set(m.names) & ours and row(m) is not None}
+    rows = ((m, row(m)) for m in megatron_flags() if not set(m.names) & ours)
+    return {m.flag: (m, *r) for m, r in rows if r is not None}
 
 
 def add_flags(group: Any, status: Optional[str] = None) -> None:
@@ -134,7 +134,7 @@ def _argparse_kwargs(m: MegatronFlag) -> dict:
     elif m.action:
         kw["action"] = m.action
     else:
-        kw.update(type=_TYPES.get(m.type, str), metavar=m.dest.upper())
+        kw.update(type=_TYPES.get(m.type or "str", str), metavar=m.dest.upper())
         kw.update({k: v for k, v in (("nargs", m.nargs), ("choices", m.choices)) if v})
     return kw
 
@@ -227,7 +227,7 @@ def status_rows() -> list[tuple[MegatronFlag, Optional[str], str]]:
     row, or "implemented" (ours; reason: what it is here where that differs) or the no
     effect an `option` of ours declares; status None: in neither (a test fails)."""
     ours = _our_flags()
-    rows = []
+    rows: list[tuple[MegatronFlag, Optional[str], str]] = []
     for m in megatron_flags():
         name = next((n for n in m.names if n in ours), None)
         if m.flag in table_flags():

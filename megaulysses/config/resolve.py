@@ -23,6 +23,7 @@ from megaulysses.config.grid import ParallelDims
 from megaulysses.config.rules import (check_grid, check_profile_ranks, check_ring,
                                       pipeline_layout, pipeline_schedule, warmup_iters)
 from megaulysses.config.compat import MEGATRON_ATTENTION
+from megaulysses.config.fields import filled
 from megaulysses.config.rules_memory import check_fpdt
 from megaulysses.config.rules_offload import check_offload_grid
 from megaulysses.config.schedule import resolve_schedule, with_default_iters
@@ -39,7 +40,8 @@ class RunConfig(Config):
     def micro_batches(self) -> int:
         """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
         t = self.train
-        return t.global_batch_size // (t.micro_batch_size * self.dims.dp)
+        gbs = filled(t.global_batch_size, "--global-batch-size")
+        return gbs // (t.micro_batch_size * self.dims.dp)
 
 
 def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
@@ -51,15 +53,16 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                                    sp=par.ds_sequence_parallel_size,
                                    cp=par.context_parallel_size)
     t = cfg.train
+    # one micro-batch per dp rank (Megatron-LM), and pp of them under a pipeline: every stage
+    # then has one in flight
+    gbs = t.global_batch_size or t.micro_batch_size * dims.dp * dims.pp
     train = replace(
-        t, lr_warmup_iters=warmup_iters(with_default_iters(t)),
-        # one micro-batch per dp rank (Megatron-LM), and pp of them under a pipeline: every
-        # stage then has one in flight
-        global_batch_size=t.global_batch_size or t.micro_batch_size * dims.dp * dims.pp,
+        t, lr_warmup_iters=warmup_iters(with_default_iters(t)), global_batch_size=gbs,
         # SLURM sends SIGTERM before it kills a job
         exit_signal_handler=("SLURM_JOB_ID" in os.environ if t.exit_signal_handler is None
                              else t.exit_signal_handler))
-    parallel = replace(par, pipeline_schedule=pipeline_schedule(par),
+    schedule = pipeline_schedule(par)
+    parallel = replace(par, pipeline_schedule=schedule,
                        tp_sequence_parallel=par.tp_sequence_parallel and dims.tp > 1,
                        # Megatron-LM's distributed optimizer shards optimizer states: ZeRO-1
                        zero_stage=max(par.zero_stage, int(par.use_distributed_optimizer)))
@@ -72,8 +75,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
                     attention_backend=MEGATRON_ATTENTION.get(backend, backend),
                     # Megatron-LM's rule: no fused bias-GeLU without biases
                     bias_gelu_fusion=cfg.model.bias_gelu_fusion and cfg.model.add_bias_linear)
-    check_grid(dims, model, train.global_batch_size, train.micro_batch_size,
-               parallel.tp_sequence_parallel, parallel.pipeline_schedule,
+    check_grid(dims, model, gbs, train.micro_batch_size, parallel.tp_sequence_parallel, schedule,
                memory.tiled_mlp_chunks, memory.attention_head_groups)
     check_ring(dims, model)
     check_fpdt(dims, model, memory)  # rules_memory.py
@@ -81,7 +83,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int) -> RunConfig:
     check_profile_ranks(cfg.log, world_size)
     log = replace(cfg.log, wandb_save_dir=wandb_save_dir(cfg.log, t.save))
     # the iterations (from --train-samples: whole global batches, the ramp-up's included)
-    train = resolve_schedule(train, dims, parallel.pipeline_schedule)
+    train = resolve_schedule(train, dims, schedule)
     layout = tuple(tuple(stage) for stage in pipeline_layout(model.num_layers, parallel))
     return RunConfig(model=model, data=cfg.data, train=train, log=log, parallel=parallel,
                      memory=memory, compat=cfg.compat, preset=cfg.preset, dims=dims,
@@ -92,4 +94,7 @@ def wandb_save_dir(log: LogConfig, save: Optional[str]) -> Optional[str]:
     """--wandb-save-dir, or <--save>/wandb (Megatron-LM's default); None without wandb."""
     if not log.wandb_project:
         return None
-    return log.wandb_save_dir or os.path.join(save, "wandb")
+    if log.wandb_save_dir:
+        return log.wandb_save_dir
+    # rules._validate_observability requires --wandb-save-dir or --save with --wandb-project
+    return os.path.join(filled(save, "--save"), "wandb")

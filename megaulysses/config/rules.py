@@ -11,6 +11,7 @@ import math
 from typing import Optional
 
 from megaulysses.config.errors import ConfigError, require
+from megaulysses.config.fields import filled
 from megaulysses.config.grid import ParallelDims
 from megaulysses.config.rules_memory import check_head_groups, check_offload
 from megaulysses.config.rules_offload import check_param_offload
@@ -107,7 +108,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig):
     # Megatron-LM's rule: a warm-up fraction leaves --lr-warmup-iters at its default 0
     require(t.lr_warmup_fraction is None or not t.lr_warmup_iters, "--lr-warmup-fraction",
             "cannot be combined with --lr-warmup-iters")
-    decay = t.lr_decay_iters or t.train_iters
+    decay = filled(t.lr_decay_iters or t.train_iters, "--train-iters")  # with_default_iters
     frac = t.lr_warmup_fraction
     require(frac is None or 0 <= frac <= 1, "--lr-warmup-fraction",
             f"must be in [0, 1], got {frac}")
@@ -147,7 +148,7 @@ def warmup_iters(t: TrainConfig) -> int:
     """--lr-warmup-fraction of the decay iterations where given, else --lr-warmup-iters."""
     if t.lr_warmup_fraction is None:
         return t.lr_warmup_iters
-    return int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
+    return int(t.lr_warmup_fraction * filled(t.lr_decay_iters or t.train_iters, "--train-iters"))
 
 
 def pipeline_schedule(par: ParallelConfig) -> str:
@@ -225,7 +226,7 @@ def pipeline_layout(num_layers: int, par: ParallelConfig) -> list[list[int]]:
     else:
         sizes = _uneven_sizes(num_layers, pp, first, last)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+    return [list(range(a, a + n)) for a, n in zip(starts, sizes, strict=True)]
 
 
 def _uneven_sizes(num_layers: int, pp: int, first: Optional[int], last: Optional[int]):
@@ -258,6 +259,10 @@ def _validate_data(d: DataConfig):
         raise ConfigError("--split", str(e).removeprefix("--split:").strip()) from None
     require(weights[0] > 0, "--split", f"the train split must not be empty, got {d.split}")
     if not d.mock_data:
+        # parse_args gives the bundled data when there is no data source; a Config built in
+        # Python must name one (checked before parsing: None is no list of prefixes)
+        if not d.data_path:
+            raise ConfigError("--data-path", "required (or --mock-data)")
         try:
             parse_data_path(d.data_path)
         except ValueError as e:
@@ -271,9 +276,6 @@ def _validate_data(d: DataConfig):
 def _validate_tokenizer(d: DataConfig):
     """Each tokenizer type's files (mock data too: the tokenizer sets the vocabulary). That
     they exist and read is checked where they are opened (training/data.py)."""
-    # parse_args gives the bundled data when there is no data source; a Config built in
-    # Python must name one
-    require(d.mock_data or bool(d.data_path), "--data-path", "required (or --mock-data)")
     if d.tokenizer_type == "NullTokenizer":
         require(d.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
     elif d.tokenizer_type == "SentencePieceTokenizer":

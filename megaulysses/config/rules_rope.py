@@ -42,7 +42,7 @@ def validate_rope(m: RopeScalingConfig, position_embedding_type: str) -> None:
                 f"must be > --rope-scaling-low-freq-factor {low}, got {high}")
     elif chosen[0] == "linear":
         factor = m.rotary_seq_len_interpolation_factor
-        require(factor > 0, flag, f"must be > 0, got {factor}")
+        require(factor is not None and factor > 0, flag, f"must be > 0, got {factor}")
     else:
         _validate_yarn(m)
 

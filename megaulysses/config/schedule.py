@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from megaulysses.config.errors import ConfigError, require
+from megaulysses.config.fields import filled
 from megaulysses.config.grid import ParallelDims
 from megaulysses.config.schema import TrainConfig
 
@@ -86,13 +87,14 @@ def warmup_samples(t: TrainConfig) -> int:
     """--lr-warmup-fraction of the decay samples where given, else --lr-warmup-samples."""
     if t.lr_warmup_fraction is None:
         return t.lr_warmup_samples
-    return int(t.lr_warmup_fraction * (t.lr_decay_samples or t.train_samples))
+    decay = filled(t.lr_decay_samples or t.train_samples, "--train-samples")
+    return int(t.lr_warmup_fraction * decay)
 
 
 def global_batch_at(t: TrainConfig, consumed: int) -> int:
     """The global batch of the step after `consumed` samples (`t` resolved): Megatron-LM's
     ramp-up, float arithmetic included, or --global-batch-size."""
-    final = t.global_batch_size
+    final = filled(t.global_batch_size, "--global-batch-size")
     if t.rampup_batch_size is None or consumed > t.rampup_batch_size[2]:
         return final
     start, increment, samples = t.rampup_batch_size
@@ -104,7 +106,8 @@ def rampup_end(t: TrainConfig) -> tuple[int, int]:
     """(iterations, samples consumed) of the steps taken while the batch grows: every step
     that starts at or before the ramp's last sample (Megatron-LM's count)."""
     steps = consumed = 0
-    while consumed <= t.rampup_batch_size[2]:
+    samples = filled(t.rampup_batch_size, RAMPUP)[2]
+    while consumed <= samples:
         consumed += global_batch_at(t, consumed)
         steps += 1
     return steps, consumed
@@ -115,8 +118,9 @@ def train_iters(t: TrainConfig) -> int:
     batches of --train-samples (the ramp's steps, then full-size ones)."""
     if t.train_samples is None:
         return t.train_iters or TRAIN_ITERS
+    gbs = filled(t.global_batch_size, "--global-batch-size")
     if t.rampup_batch_size is None:
-        iters = t.train_samples // t.global_batch_size
+        iters = t.train_samples // gbs
         require(iters > 0, "--train-samples", f"{t.train_samples} is less than one global "
                 f"batch (--global-batch-size {t.global_batch_size}): nothing to train")
         return iters
@@ -124,7 +128,7 @@ def train_iters(t: TrainConfig) -> int:
     require(t.train_samples >= consumed, "--train-samples", f"{t.train_samples} ends inside "
             f"the batch-size ramp-up, whose {steps} steps take {consumed} samples "
             f"({RAMPUP}); give at least {consumed}")
-    return steps + (t.train_samples - consumed) // t.global_batch_size
+    return steps + (t.train_samples - consumed) // gbs
 
 
 def resolve_schedule(t: TrainConfig, dims: ParallelDims, pipeline_schedule: str) -> TrainConfig:
@@ -144,8 +148,9 @@ def check_rampup(t: TrainConfig, dims: ParallelDims, pipeline_schedule: str) -> 
     """Megatron-LM's checks of the ramp (its calculator's asserts, made flag errors): it
     ends at --global-batch-size in whole increments, and every batch it takes is whole
     micro-batches on every data-parallel rank, as many as the pipeline schedule needs."""
-    start, increment, _ = t.rampup_batch_size
-    final, unit = t.global_batch_size, t.micro_batch_size * dims.dp
+    start, increment, _ = filled(t.rampup_batch_size, RAMPUP)
+    final = filled(t.global_batch_size, "--global-batch-size")
+    unit = t.micro_batch_size * dims.dp
     require(start < final, RAMPUP, f"START {start} must be below --global-batch-size {final} "
             "(the batch it ramps up to)")
     require((final - start) % increment == 0, RAMPUP, f"--global-batch-size {final} - START "

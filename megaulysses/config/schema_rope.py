@@ -82,6 +82,11 @@ class RopeScalingConfig:
         return None
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence: ModelConfig's (this mixin has no length of its own)."""
+        raise NotImplementedError("ModelConfig defines max_positions")
+
+    @property
     def original_max_positions(self) -> Optional[int]:
         """The context llama3 or yarn scales from (their defaults filled); None otherwise."""
         scaling = self.rope_scaling

@@ -269,7 +269,7 @@ def _build_blending_indices(weights: list[float], num_samples: int) -> dict:
     # A plain Python loop over a handful of datasets beats numpy's per-call
     # overhead here; the result is cached.
     for i in range(num_samples):
-        errors = [w * (i + 1) - c for w, c in zip(weights, counts)]
+        errors = [w * (i + 1) - c for w, c in zip(weights, counts, strict=True)]
         best = errors.index(max(errors))  # ties -> lowest index
         dataset_index[i] = best
         dataset_sample_index[i] = counts[best]
@@ -392,7 +392,7 @@ def parse_data_path(args: list[str]) -> tuple[list[str], list[float]]:
         raise ValueError(f"--data-path: {len(args)} values ({' '.join(args)}), but "
                          f"{_PAIRS} need an even number")
     prefixes = args[1::2]
-    return prefixes, [_weight(w, p) for w, p in zip(args[0::2], prefixes)]
+    return prefixes, [_weight(w, p) for w, p in zip(args[0::2], prefixes, strict=True)]
 
 
 # ---------------------------------------------------------------- train/valid/test
@@ -410,7 +410,7 @@ def build_train_valid_test_datasets(prefixes: list[str], weights: list[float], s
     indexed = [IndexedDataset(p) for p in prefixes]
     bounds = [split_boundaries(len(d), fractions) for d in indexed]
     total = float(sum(weights))
-    result = []
+    result: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(_SPLIT_NAMES):
         n = num_samples[s]
         if n == 0:

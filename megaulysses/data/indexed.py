@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -37,7 +37,7 @@ _HEADER = struct.Struct("<9sQBQQ")
 HEADER_SIZE = _HEADER.size  # 34 bytes
 
 # Megatron's codes; the numbers are part of the file format.
-DTYPE_CODES = {
+DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
     2: np.dtype(np.int8),
     3: np.dtype(np.int16),
@@ -214,7 +214,7 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{e.filename or prefix}: cannot read "
                                       f"({e.strerror or e})") from None
 
-    def _fail(self, path: str, what: str):
+    def _fail(self, path: str, what: str) -> NoReturn:
         raise IndexedDatasetError(f"{path}: {what}")
 
     def _read_index(self) -> None:

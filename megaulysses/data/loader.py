@@ -60,11 +60,11 @@ class CyclicOrder:
         # the permuted range: a rank's bucket, or every whole micro-batch
         self.span = total // step * micro_batch_size if sharding else \
             total // micro_batch_size * micro_batch_size
-        self._perm: tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._perm: Optional[tuple[int, np.ndarray]] = None  # (epoch, its order)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The epoch's order of the span (one cached: epochs are read in turn)."""
-        if self._perm[0] != epoch:
+        if self._perm is None or self._perm[0] != epoch:
             g = torch.Generator().manual_seed(epoch)
             self._perm = (epoch, torch.randperm(self.span, generator=g).numpy())
         return self._perm[1]
@@ -97,6 +97,9 @@ class BatchBuilder:
                  cyclic: bool = False, data_sharding: bool = True):
         per_rank = global_batch_size // dp_size
         assert per_rank * dp_size == global_batch_size and per_rank % micro_batch_size == 0
+        if (reset_position_ids or reset_attention_mask) and eod is None:
+            raise ValueError("reset_position_ids and reset_attention_mask cut documents at "
+                             "the eod token: give eod")
         self.order = CyclicOrder(len(dataset), micro_batch_size, dp_size,
                                  data_sharding) if cyclic else None
         self.dataset = dataset
@@ -137,8 +140,9 @@ class BatchBuilder:
             loss_mask[tokens == self.eod] = 0.0  # Megatron masks where the input is EOD
         b, s = tokens.shape
         position_ids = torch.arange(s).expand(b, s)
-        documents = None
+        documents: Optional[torch.Tensor] = None
         if self.reset_position_ids or self.reset_attention_mask:
+            assert self.eod is not None  # __init__ refuses the resets without it
             documents = document_ids(tokens, self.eod)
             if self.reset_position_ids:
                 position_ids = document_positions(documents)
@@ -149,6 +153,6 @@ class BatchBuilder:
         batch = {"tokens": tokens[:, keep].clone(), "labels": labels[:, keep].clone(),
                  "loss_mask": loss_mask[:, keep].clone(),
                  "position_ids": position_ids[:, keep].clone()}
-        if self.reset_attention_mask:
+        if self.reset_attention_mask and documents is not None:  # documents: set above
             batch["documents"] = documents  # [b, s]: the whole sample's, for the mask
         return batch

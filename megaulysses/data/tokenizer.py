@@ -180,15 +180,20 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
             raise ValueError("--tokenizer-model: required for SentencePieceTokenizer")
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path:
-                raise ValueError(f"{flag}: required for GPT2BPETokenizer")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{flag}: file not found: {path}")
-        return GPT2BPETokenizer(vocab_file, merge_file)
+        return GPT2BPETokenizer(_gpt2_file("--vocab-file", vocab_file),
+                                _gpt2_file("--merge-file", merge_file))
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size: required for NullTokenizer")
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type: unknown {tokenizer_type!r}; "
                      f"choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def _gpt2_file(flag: str, path: Optional[str]) -> str:
+    """A GPT2BPETokenizer file flag's path, given and present (else one line naming it)."""
+    if not path:
+        raise ValueError(f"{flag}: required for GPT2BPETokenizer")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: file not found: {path}")
+    return path

@@ -93,6 +93,8 @@ class WorkerBatches:
             return self.builder.micro_batches(consumed_samples, global_batch)
         if consumed_samples != self._next:
             self._start(consumed_samples)
+        # close() sets both to None, _start the iterator: a None here is a bug
+        assert self._batches is not None
         try:
             batches = next(self._batches)
         except Exception as e:  # a worker raised or is gone: build it here instead

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -22,9 +22,17 @@ import torch.nn.functional as F
 from megaulysses.config import ModelConfig
 from megaulysses.model.attention import (AttentionCore, AttentionDropout, AttentionMask,
                                          mask_from_config, sdpa_attention)
+from megaulysses.model.attention.dropout import DropoutArg
 from megaulysses.model.ops import linear, linear_cross_entropy
 from megaulysses.model.layers import MLP, EmbeddingTable, Linear, build_norm, shared_input
 from megaulysses.model.rope import apply_rotary, rotary_angles
+
+
+class _TakesQKV(Protocol):
+    """A core with takes_qkv set (parallel/ulysses.py, head_groups.py, fpdt.py)."""
+
+    def take(self, qkv: list, dropout_p: DropoutArg = 0.0,
+             mask: Optional[AttentionMask] = None) -> torch.Tensor: ...
 
 
 class SelfAttention(nn.Module):
@@ -42,7 +50,8 @@ class SelfAttention(nn.Module):
         self.v = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         # One [d] norm each, shared by the heads (Qwen3): per head, so a rank holding some
         # heads (tensor parallel) or some tokens (Ulysses, ring) normalizes its own alone.
-        self.q_norm = self.k_norm = None
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
         if cfg.qk_layernorm:
             norm = (cfg.normalization, d, cfg.norm_epsilon, cfg.apply_layernorm_1p)
             self.q_norm, self.k_norm = build_norm(*norm), build_norm(*norm)
@@ -60,7 +69,8 @@ class SelfAttention(nn.Module):
         q = self.q(use()).view(b, s, -1, self.head_dim)  # [b, s, hq, d]
         k = self.k(use()).view(b, s, -1, self.head_dim)  # [b, s, hkv, d]
         v = self.v(use()).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:  # before RoPE; fp32 out, back to the projections' dtype
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither: before
+            # RoPE; fp32 out, back to the projections' dtype
             # (the norms keep q and k as they are, in that dtype)
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if rotary is not None:
@@ -76,14 +86,14 @@ class SelfAttention(nn.Module):
         """The attention core on `qkv` = [q, k, v] (emptied), with this call's dropout:
         `[b, s, hq, d]`. One method, so that --torch-compile can run it eagerly between the
         attention's two graphs where the core cannot be traced (parallel/compile.py)."""
-        dropout = 0.0
+        dropout: DropoutArg = 0.0
         if self.training and self.dropout:  # one key per call: every core, and a
             # recomputation, draws this call's masks (model/attention/dropout.py)
             dropout = AttentionDropout.draw(self.dropout, self.head_offset)
         if getattr(self.core, "takes_qkv", False):  # Ulysses, head groups: handed over, so
             # the core frees each sequence-sharded tensor once it has sent it (no other
             # reference here) instead of holding it beside its whole-sequence copy
-            return self.core.take(qkv, dropout, mask)  # [b, s, hq, d]
+            return cast(_TakesQKV, self.core).take(qkv, dropout, mask)  # [b, s, hq, d]
         q, k, v = qkv
         qkv.clear()
         return self.core(q, k, v, dropout, mask)  # [b, s, hq, d]
@@ -159,14 +169,21 @@ class Head(nn.Module):
         x = self.norm(x)
         if self.output is not None:
             return self.output(x)
-        return linear(x, tied_weight)
+        return linear(x, _tied(tied_weight))
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor,
              tied_weight: Optional[torch.Tensor]) -> torch.Tensor:  # -> [b, s] fp32
         """Per-token cross entropy of forward's logits, without holding all [b, s, V] logits
         at once (a fused op that works through chunks of tokens)."""
-        weight = self.output.weight if self.output is not None else tied_weight
+        weight = self.output.weight if self.output is not None else _tied(tied_weight)
         return linear_cross_entropy(self.norm(x), weight, labels)
+
+
+def _tied(weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """The input embedding's weight, which a head without an output layer must be given."""
+    if weight is None:
+        raise ValueError("tied output weights: the head needs the embedding's weight")
+    return weight
 
 
 class GPT(nn.Module):
@@ -260,8 +277,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+_CPU = torch.device("cpu")  # a module constant: B008 (torch.device is immutable anyway)
+
+
 def build_model(cfg: ModelConfig, core: AttentionCore, seed: int,
-                device: torch.device = torch.device("cpu")) -> GPT:
+                device: torch.device = _CPU) -> GPT:
     """A whole, single-device model: built on the meta device (no memory), materialized on
     `device`, initialized. (On a grid, parallel.parallelize builds it instead.)"""
     with torch.device("meta"):

@@ -87,7 +87,7 @@ class _ToSink(torch.autograd.Function):
         return None, None
 
 
-def _zero_centered(norm: nn.Module, zero_centered: bool) -> None:
+def _zero_centered(norm: RMSNorm | LayerNorm, zero_centered: bool) -> None:
     """--apply-layernorm-1p (Megatron-LM's zero-centered gamma): the parameter holds
     gamma - 1, starting at 0, and the norm scales by weight + 1. Same function, same
     gradient; the stored values sit near 0, where a 16-bit rounding of them (and the weight
@@ -97,7 +97,7 @@ def _zero_centered(norm: nn.Module, zero_centered: bool) -> None:
         nn.init.zeros_(norm.weight)
 
 
-def _scale(norm: nn.Module) -> torch.Tensor:
+def _scale(norm: RMSNorm | LayerNorm) -> torch.Tensor:
     """The norm's gamma in fp32, from its weight in the compute dtype (`compute_weight`)."""
     w = compute_weight(norm.weight).float()
     return w + 1.0 if norm.zero_centered else w
@@ -109,12 +109,14 @@ class RMSNorm(nn.RMSNorm):
     in any dtype (a 16-bit residual stream), which it keeps as is for backward. The output
     is fp32: the linears reading it round it once (`shared_input`), and their input
     gradients sum in fp32, as one fused qkv (or gate + fc1) matmul would."""
+    zero_centered: bool  # --apply-layernorm-1p (`_zero_centered`)
 
     def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__(size, eps=eps)
         _zero_centered(self, zero_centered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> fp32 [..., h]
+        assert self.eps is not None  # __init__ sets a float (nn.RMSNorm allows None)
         return rms_norm(x, _scale(self), self.eps)
 
 
@@ -122,6 +124,7 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters) computed in fp32 with its weight and bias in the
     compute dtype (`compute_weight`); fp32 out, as RMSNorm. (On a 16-bit input it keeps
     the fp32 copy F.layer_norm computes on: the planner counts it.)"""
+    zero_centered: bool  # --apply-layernorm-1p (`_zero_centered`)
 
     def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__(size, eps=eps)
@@ -164,7 +167,7 @@ class MLP(nn.Module):
         self.fc2 = Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h]
-        if self.swiglu:
+        if self.gate is not None:  # SwiGLU (self.swiglu)
             use = shared_input(x)  # one 16-bit copy of x for gate and fc1, not two
             y = F.silu(self.gate(use())) * self.fc1(use())  # [b, s, f]
         else:

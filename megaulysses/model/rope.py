@@ -32,7 +32,9 @@ def inverse_frequencies(cfg: ModelConfig,
     plain = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     scaling = cfg.rope_scaling
     if scaling == "linear":  # positions / factor, as Megatron-LM scales them
-        return plain / cfg.rotary_seq_len_interpolation_factor
+        factor = cfg.rotary_seq_len_interpolation_factor
+        assert factor is not None  # the factor given is what selects "linear"
+        return plain / factor
     if scaling == "llama3":
         return _llama3(plain, cfg)
     if scaling == "yarn":
@@ -44,6 +46,7 @@ def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Llama 3.1's scaling: wavelengths longer than original/low_freq_factor divided by the
     factor, shorter than original/high_freq_factor kept, a linear blend between."""
     factor, context = cfg.rope_scaling_factor, cfg.original_max_positions
+    assert context is not None  # llama3's default fills it
     low, high = cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
     wavelen = 2 * math.pi / inv_freq  # [d/2]
     scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
@@ -60,12 +63,13 @@ def _yarn(cfg: ModelConfig, device: Optional[torch.device]) -> torch.Tensor:
     rounded outwards to whole dimensions (transformers' truncate=True, Megatron-LM's)."""
     d, base, factor = cfg.head_dim, cfg.rotary_base, cfg.rotary_scaling_factor
     context = cfg.original_max_positions
+    assert context is not None  # yarn's default fills it
 
     def dim_of(turns: float) -> float:  # the dimension that turns `turns` times over context
         return d * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(dim_of(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(dim_of(cfg.yarn_beta_slow)), d - 1)
+    high: float = min(math.ceil(dim_of(cfg.yarn_beta_slow)), d - 1)
     if low == high:
         high += 0.001  # as transformers: no division by zero
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low)

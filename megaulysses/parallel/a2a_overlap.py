@@ -62,10 +62,16 @@ class Exchange:
             out, self.result = self.result, None
             return out
         if self.token is None:
-            pending, self.pending = self.pending, None
-            return pending.wait()
+            return self.take_pending().wait()
         token, self.token = self.token, None
         return _Finish.apply(token, self)
+
+    def take_pending(self) -> PendingAllToAll:
+        """The forward's exchange, handed over once."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise RuntimeError("Exchange.wait() called twice: its result is given once")
+        return pending
 
 
 def start(comm: Comm, x: torch.Tensor, dim: str, scatter_dim: int,
@@ -84,6 +90,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         ex = ctx.ex
+        assert ex.grad is not None, "_Finish.backward runs first and issues it"
         grad, ex.grad = ex.grad.wait(), None  # issued by _Finish.backward
         return grad, None
 
@@ -92,8 +99,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, ex: Exchange):
         ctx.ex = ex
-        pending, ex.pending = ex.pending, None
-        return pending.wait()
+        return ex.take_pending().wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,8 +113,11 @@ def one_ahead(starts: Sequence[Callable[[], PendingAllToAll]]) -> Iterator[torch
     """The results of raw exchanges (`Comm.all_to_all_start` calls, no autograd) in order,
     each yielded with the next one already issued: one in flight while the caller works
     on the current (FPDT's chunks, inside its own autograd Function)."""
-    pending = starts[0]() if starts else None
+    if not starts:
+        return
+    pending = starts[0]()
     for i in range(len(starts)):
         nxt = starts[i + 1]() if i + 1 < len(starts) else None
         yield pending.wait()
-        pending = nxt
+        if nxt is not None:  # None after the last one only
+            pending = nxt

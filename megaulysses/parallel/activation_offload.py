@@ -63,13 +63,15 @@ class Held:
     def get(self) -> torch.Tensor:
         """The input: the original in forward; in the recomputation, the copy back (a leaf
         with the original's requires_grad, so the recomputation saves the same tensors)."""
-        if self.host is None:
+        if self.host is None:  # not offloaded: the device tensor is still here
+            assert self.device is not None, "an input neither on the device nor the host"
             return self.device
         if self.device is None:
             self.fetch()
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
         x, self.device, self.ready, self.host = self.device, None, None, None
+        assert x is not None, "fetch() gives the device copy of a host tensor"
         return x.requires_grad_(self.requires_grad)
 
     @property
@@ -87,6 +89,8 @@ class Held:
     def offload(self) -> None:
         """Copy the input to the host and drop the device tensor (the group's forward has
         used it; nothing else keeps it)."""
+        if self.device is None:
+            raise RuntimeError("offload(): this input was offloaded already")
         x, s = self.device.detach(), self.stash.stream
         self.host = mark_host(torch.empty(x.shape, dtype=x.dtype, device="cpu",
                                           pin_memory=self.stash.cuda))

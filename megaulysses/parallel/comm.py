@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from megaulysses.parallel.comm_stats import (BYTE_KINDS, OTHER_GROUP, CommStats,  # noqa: F401
-                                             _FunctionalCollectiveCounter, _nbytes)
+                                             Waitable, _FunctionalCollectiveCounter, _nbytes)
 from megaulysses.parallel.dims import DP_SP, TP
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class Comm:
     def __init__(self, meshes: dict | None = None):
         self.meshes = meshes or {}
         self.stats = CommStats()
+        self.compiled = False  # torch.compile'd blocks: DTensor's collectives uncounted
 
     def size(self, dim: str) -> int:
         return self.meshes[dim].size() if dim in self.meshes else 1
@@ -80,7 +81,7 @@ class Comm:
     # -- plain collectives (no autograd) --------------------------------------------------
 
     def all_reduce_sum(self, tensor: torch.Tensor, dim: str,
-                       async_op: bool = False) -> Optional[dist.Work]:
+                       async_op: bool = False) -> Optional[Waitable]:
         """In place. Sum, never ReduceOp.AVG: AVG has given wrong results on gloo."""
         p = self.size(dim)
         if p == 1:
@@ -160,7 +161,7 @@ class Comm:
         t = torch.tensor([float(mine.get(k, 0)) for k in BYTE_KINDS], dtype=torch.float64,
                          device=self.meshes["world"].device_type)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: not itself counted
-        return {k: v for k, v in zip(BYTE_KINDS, t.tolist()) if v}
+        return {k: v for k, v in zip(BYTE_KINDS, t.tolist(), strict=True) if v}
 
     def pop_slowest_seconds(self, names: tuple[str, ...]) -> dict:
         """Seconds per timer name (`stats.timers`) since the last call, of the rank that
@@ -173,7 +174,7 @@ class Comm:
                              device=self.meshes["world"].device_type)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # metrics only: neither counted nor timed
             values = t.tolist()
-        return dict(zip(names, values))
+        return dict(zip(names, values, strict=True))
 
     def barrier(self) -> None:
         if self.meshes:
@@ -269,7 +270,7 @@ class Comm:
     # -- ZeRO: collectives on flat buffers, and FSDP2's own collectives counted ----------
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
-                            async_op: bool = False) -> Optional[dist.Work]:
+                            async_op: bool = False) -> Optional[Waitable]:
         """`out` = this rank's 1/P of the sum over ranks of the flat `inp` (P pieces)."""
         p = self.size(dim)
         self.stats.add("reduce_scatter", _nbytes(inp) * (p - 1) / p, dim)
@@ -279,7 +280,7 @@ class Comm:
         return self.stats.timed_work(work, "reduce_scatter", inp)
 
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, dim: str,
-                        async_op: bool = False) -> Optional[dist.Work]:
+                        async_op: bool = False) -> Optional[Waitable]:
         """`out` = every rank's flat `inp`, in rank order."""
         p = self.size(dim)
         self.stats.add("all_gather", _nbytes(out) * (p - 1) / p, dim)
@@ -311,13 +312,18 @@ class PendingAllToAll:
     """An all-to-all in flight. The send buffer stays referenced until `wait()` (gloo and
     NCCL read it meanwhile), which returns the exchanged tensor, once."""
 
-    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor, gather_dim: int):
-        self.work, self.send, self.recv, self.gather_dim = work, send, recv, gather_dim
+    def __init__(self, work: Optional[Waitable], send: torch.Tensor, recv: torch.Tensor,
+                 gather_dim: int):
+        self.work, self.gather_dim = work, gather_dim
+        self.buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = (send, recv)
 
     def wait(self) -> torch.Tensor:
+        if self.buffers is None:
+            raise RuntimeError("PendingAllToAll.wait() called twice: its result is given once")
         with record_function("megaulysses::all_to_all_wait"):  # profiler traces' marker
-            self.work.wait()
-        recv, self.work, self.send, self.recv = self.recv, None, None, None
+            if self.work is not None:
+                self.work.wait()
+        recv, self.work, self.buffers = self.buffers[1], None, None
         return torch.cat(recv.unbind(0), dim=self.gather_dim)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,12 +19,19 @@ OTHER_GROUP = "other"  # CommStats' group for collectives on a group that is no 
 BYTE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "ring")
 
 
+class Waitable(Protocol):
+    """An asynchronous collective in flight: torch's `dist.Work`, or `_TimedWork` around one
+    (callers only ever wait on it)."""
+
+    def wait(self) -> Any: ...
+
+
 class CommStats:
     """Bytes sent by this rank per (group, collective kind), since the last `pop`. The
     group is the mesh dim name: it says which link the bytes cross (tools/plan.py)."""
 
-    def __init__(self):
-        self.bytes = defaultdict(int)  # (group, kind) -> bytes
+    def __init__(self) -> None:
+        self.bytes: defaultdict[tuple[str, str], int] = defaultdict(int)  # (group, kind) -> bytes
         self.counting = True
         self.timers = Timers()  # seconds per kind (and per step phase), when on
         self.replays: dict[Hashable, list] = {}  # see `counted_once`
@@ -71,7 +78,7 @@ class CommStats:
         return self.timers(kind, tensor.device.type)
 
     def timed_work(self, work: Optional[dist.Work], kind: str,
-                   tensor: torch.Tensor) -> Optional[dist.Work]:
+                   tensor: torch.Tensor) -> Optional[Waitable]:
         """An asynchronous collective's `work`, whose wait() is timed as `kind` too."""
         if work is None or not self.timers.active:
             return work
@@ -83,7 +90,7 @@ class CommStats:
         self.bytes.clear()
         if by_group:
             return out
-        kinds = defaultdict(int)
+        kinds: defaultdict[str, int] = defaultdict(int)
         for (_, kind), n in out.items():
             kinds[kind] += n
         return dict(kinds)

@@ -108,17 +108,20 @@ def apply_compile(model: nn.Module, documents: bool = False,
     else:  # the attention's forward breaks once, at the core; the rest is one graph
         attention = _OneShape(SelfAttention.forward, fullgraph=False)
         after = _OneShape(Block.after_attention, fullgraph=True)
-    for block in blocks:  # instance attributes shadow the methods
+    # instance attributes shadow the methods (what mypy's method-assign flags, on purpose)
+    for block in blocks:
         if eager_core is None:
-            block.forward = types.MethodType(forward, block)
+            block.forward = types.MethodType(forward, block)  # type: ignore[method-assign]
             continue
         attn = block.attn
-        attn.attend = torch.compiler.disable(attn.attend, recursive=True)
-        attn.forward = types.MethodType(attention, attn)
-        block.after_attention = types.MethodType(after, block)
+        attn.attend = torch.compiler.disable(  # type: ignore[method-assign]
+            attn.attend, recursive=True)
+        attn.forward = types.MethodType(attention, attn)  # type: ignore[method-assign]
+        block.after_attention = types.MethodType(after, block)  # type: ignore[method-assign]
     head = getattr(model, "head", None)
     if type(head) is Head:
-        head.loss = types.MethodType(_OneShape(Head.loss, fullgraph=True), head)
+        head.loss = types.MethodType(  # type: ignore[method-assign]
+            _OneShape(Head.loss, fullgraph=True), head)
     if blocks:
         CompileClock().watch(blocks[0])
     line = _describe(len(blocks), eager_core, head)
@@ -171,7 +174,8 @@ class _OneShape:
     run eagerly for any other: a function `(module, x, *args)`, `x` a tensor."""
 
     def __init__(self, fn: Callable, fullgraph: bool):
-        self.eager, self.shape = fn, None
+        self.eager = fn
+        self.shape: Optional[torch.Size] = None  # the first call's input shape
         self.compiled = torch.compile(fn, dynamic=False, fullgraph=fullgraph)
 
     def __call__(self, module: nn.Module, x: torch.Tensor, *args, **kwargs):

@@ -40,13 +40,13 @@ skip the 16-bit rounding of each micro-batch (closer to the exact sum: tested). 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 
-from megaulysses.config import RunConfig
 from megaulysses.model.fused_linear import linear_to_sink
-from megaulysses.parallel.comm import Comm
+from megaulysses.parallel.comm import Comm, Waitable
 from megaulysses.parallel.dims import DP_SP
 from megaulysses.parallel.grad_reduce import RowShard, _local, _make_buckets, _storage_bytes
 from megaulysses.parallel.offload import HostState
@@ -71,8 +71,9 @@ class _Bucket:
         ranks = shards[params[0]].ranks
         self.grads = torch.zeros(ranks, section, dtype=dtype, device=device)  # [P, section]
         self.ready = 0
-        self.work = None  # the reduce-scatter in flight
-        self.gather = None  # (slots, work): the updated weights' all-gather not yet copied
+        self.work: Optional[Waitable] = None  # the reduce-scatter in flight
+        # (slots, work): the updated weights' all-gather not yet copied
+        self.gather: Optional[tuple[torch.Tensor, Optional[Waitable]]] = None
 
     def by_rank(self, p, shard: RowShard) -> torch.Tensor:
         """`p`'s `[P, padded rows]` slots of the buffer (a view)."""
@@ -119,7 +120,7 @@ def _gather_into(flat: torch.Tensor, slots: torch.Tensor) -> None:
 _WAITING: dict = {}  # module class -> its subclass whose weight reads wait (`attach`)
 
 
-def _waiting_class(cls: type) -> type:
+def _waiting_class(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """`cls` whose attribute reads of a parameter first finish that parameter's pending
     all-gather (the owner's `_gathers`, a DistributedOptimizer): same name, same behaviour."""
     if cls in _WAITING.values():
@@ -212,9 +213,13 @@ class DistributedOptimizer(ShardedAdamW):
         fused = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
                  and m.weight in self.bucket_of and not hasattr(m.weight, "to_local")]
         for m in fused:  # an instance attribute shadows the class's forward
-            m.forward = lambda x, m=m: linear_to_sink(x, m.weight, m.bias, self)
+            m.forward = functools.partial(self._fused_forward, m)  # type: ignore[method-assign]
         self.uses = {m.weight: 0 for m in fused}
         return fused
+
+    def _fused_forward(self, m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A fused linear's forward: its weight gradient comes here (`wgrad`)."""
+        return linear_to_sink(x, m.weight, m.bias, self)
 
     def used(self, p) -> None:
         """A forward used `p` (not a recomputation): one more weight gradient to come."""
@@ -295,7 +300,7 @@ class DistributedOptimizer(ShardedAdamW):
         for p, main in self.views.items():
             main.grad = self.main_grads[p]
         self.inner.step()
-        for p, main in self.views.items():
+        for main in self.views.values():
             main.grad = None
         self.main_grads.clear()  # the buffer's rows are overwritten by the gather next
         self.publish(defer=self.deferred)
@@ -318,8 +323,8 @@ class DistributedOptimizer(ShardedAdamW):
         if not defer:
             self.wait_all()
 
-    def _finish_gather(self, b: _Bucket) -> None:
-        slots, work = b.gather
+    def _finish_gather(self, b: _Bucket, slots: torch.Tensor, work: Optional[Waitable]) -> None:
+        """`b`'s gather (`b.gather`: `slots`, `work`) waited for, copied into the weights."""
         b.gather = None
         if work is not None:
             work.wait()
@@ -335,12 +340,12 @@ class DistributedOptimizer(ShardedAdamW):
             for p in params:
                 b = self.bucket_of.get(p)
                 if b is not None and b.gather is not None:
-                    self._finish_gather(b)
+                    self._finish_gather(b, *b.gather)
 
     def wait_all(self) -> None:
         for b in reversed(self.buckets):
             if b.gather is not None:
-                self._finish_gather(b)
+                self._finish_gather(b, *b.gather)
         self.pending = False
 
     def attach(self, model: torch.nn.Module) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megaulysses.config import RunConfig
+from megaulysses.config import Config, RunConfig
 from megaulysses.parallel.wgrad import wgrad_backend
 
 
@@ -23,7 +23,7 @@ def grad_buffer_dtype(cfg) -> torch.dtype:
     return torch.float32
 
 
-def fuses_weight_gradients(cfg: RunConfig) -> bool:
+def fuses_weight_gradients(cfg: Config) -> bool:
     """Megatron-LM's gradient-accumulation fusion (its default) in this distributed-
     optimizer run: off by --no-gradient-accumulation-fusion, under zero-bubble (its weight
     pass needs autograd's weight gradients) and under tensor parallelism (DTensor weights:

@@ -65,6 +65,7 @@ and the host copies).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -72,6 +73,7 @@ import torch
 from megaulysses.model.attention import AttentionMask
 from megaulysses.model.attention.block import merge, partial_backward, partial_forward
 from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 from megaulysses.parallel.fpdt_chunks import ChunkPlan
@@ -126,7 +128,7 @@ def _attend(plan: ChunkPlan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
             i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query chunk i `[b, P*L, hq/P, d]` against every key chunk: (out_i in q's dtype,
     lse_i `[b, hq/P, P*L]` fp32)."""
-    out = lse = None
+    acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out, lse) so far
     for j, (k_j, v_j) in enumerate(kv):
         k_j, v_j = plan.fetch(k_j), plan.fetch(v_j)
         if plan.kernel is None:
@@ -135,8 +137,10 @@ def _attend(plan: ChunkPlan, q_i: torch.Tensor, kv: list, mask: AttentionMask,
                                    plan.block, dropout=plan.dropout)
         else:
             o, l = _fused_forward(plan, q_i, k_j, v_j, i, j)
-        out, lse = (o, l) if out is None else merge(out, lse, o, l)  # in place, fp32
+        acc = (o, l) if acc is None else merge(*acc, o, l)  # in place, fp32
         del o, l, k_j, v_j
+    assert acc is not None, "a plan has at least one key chunk"
+    out, lse = acc
     return out.to(q_i.dtype), lse
 
 
@@ -174,6 +178,7 @@ def _fused_forward(plan: ChunkPlan, q_i, k_j, v_j, i: int, j: int):
     rectangle of each run r > 0."""
     b, n, h, d = q_i.shape
     k = plan.kernel
+    assert k is not None, "called where plan.kernel is set"
     if not plan.causal:  # a full mask: the whole pair, one call
         o, l = k.forward(q_i, k_j, v_j, False, plan.scale)
         return o.float(), l
@@ -197,6 +202,7 @@ def _fused_forward(plan: ChunkPlan, q_i, k_j, v_j, i: int, j: int):
 def _fused_backward(plan: ChunkPlan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, j: int):
     """Pair (i, j)'s (dq, dk, dv) on the fused kernel, fp32, whole chunks."""
     k, P = plan.kernel, plan.P
+    assert k is not None, "called where plan.kernel is set"
     if not plan.causal:
         return tuple(g.float() for g in k.backward(do_i, q_i, k_j, v_j, out_i, lse_i, False,
                                                    plan.scale))
@@ -207,7 +213,7 @@ def _fused_backward(plan: ChunkPlan, q_i, k_j, v_j, out_i, lse_i, do_i, i: int, 
     if causal is not None:
         g = k.backward(_runs(do_i, P), _runs(q_i, P), _runs(k_j, P), _runs(v_j, P),
                        _runs(out_i, P), _lse_runs(lse_i, P), causal, plan.scale)
-        for acc, part in zip((dq, dk, dv), g):
+        for acc, part in zip((dq, dk, dv), g, strict=True):
             acc.add_(part.view(acc.shape))
         del g
     for rows, keys in _fused_pieces(plan):
@@ -226,6 +232,15 @@ def _sum_repeats(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t if h == hkv else t.view(b, L, hkv, h // hkv, d).sum(3)
 
 
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:  # [b, S/P, ...] -> [b, L, ...]
+    return t[:, rows]
+
+
+def _kv_rows(t: torch.Tensor, rows: slice, P: int) -> torch.Tensor:
+    """A key or value chunk `[b, L, max(hkv, P), d]`: its heads repeated up to P."""
+    return repeat_kv_heads(t[:, rows], P)
+
+
 class _Chunked(torch.autograd.Function):
 
     @staticmethod
@@ -233,14 +248,14 @@ class _Chunked(torch.autograd.Function):
                 dropout: Optional[AttentionDropout]):
         plan = ChunkPlan(core, q, k, mask, dropout)  # backward reuses it: the same masks
         P, rows = plan.P, plan.rows
-        kv = [plan.keep(t) for t in plan.exchanged(  # k_0, v_0, k_1, ...: one ahead
-            [plan.heads(lambda t=t, j=j: repeat_kv_heads(t[:, rows(j)], P))
+        flat = [plan.keep(t) for t in plan.exchanged(  # k_0, v_0, k_1, ...: one ahead
+            [plan.heads(functools.partial(_kv_rows, t, rows(j), P))
              for j in range(plan.C) for t in (k, v)])]  # [b, P*L, hkv/P, d]
-        kv = list(zip(kv[0::2], kv[1::2]))  # C x (k_j, v_j)
+        kv = list(zip(flat[0::2], flat[1::2], strict=True))  # C x (k_j, v_j)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, S/P, hq, d]
         saved, pending = [], []
         # q_{i+1} in flight while chunk i attends; out_{i-1} too (`land` one behind)
-        q_chunks = plan.exchanged([plan.heads(lambda i=i: q[:, rows(i)])
+        q_chunks = plan.exchanged([plan.heads(functools.partial(_rows, q, rows(i)))
                                    for i in range(plan.C)])
         for i, q_i in enumerate(q_chunks):  # [b, P*L, hq/P, d]
             out_i, lse_i = _attend(plan, q_i, kv, mask, i)
@@ -319,6 +334,7 @@ def _backward_chunk(plan: ChunkPlan, q_i, out_i, lse_i, do_i, kv: list, acc: lis
         acc[j][0] = plan.add(acc[j][0], dk)
         acc[j][1] = plan.add(acc[j][1], dv)
         del dq_ij, dk, dv
+    assert dq_i is not None, "a plan has at least one key chunk"
     return dq_i
 
 
@@ -329,7 +345,6 @@ def apply_fpdt(model: GPT, comm: Comm, chunks: int, offload: bool, dim: str = SP
     own kernels, so the model's core is not wrapped."""
     if not chunks:
         return model
-    for layer in model.layers.values():
-        if layer is not None:
-            layer.attn.core = ChunkedUlyssesAttention(comm, chunks, offload, dim)
+    for layer in blocks(model):
+        layer.attn.core = ChunkedUlyssesAttention(comm, chunks, offload, dim)
     return model

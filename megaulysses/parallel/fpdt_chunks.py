@@ -37,6 +37,8 @@ class Local:
         self.t: Optional[torch.Tensor] = t
 
     def wait(self) -> torch.Tensor:
+        if self.t is None:
+            raise RuntimeError("Local.wait() called twice: its result is given once")
         # contiguous as an exchange's result is (a no-op where the slice already is)
         t, self.t = self.t.contiguous(), None
         return t

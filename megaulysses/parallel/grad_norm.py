@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -62,7 +62,8 @@ def _scale_(tensors: list, factor: float) -> None:
     """Every tensor *= factor, in place: one foreach call per (device, dtype) group (a mixed
     list would take foreach's per-tensor path; host-offloaded gradients mix devices)."""
     for (group,), _ in _group_tensors_by_device_and_dtype([tensors]).values():
-        torch._foreach_mul_(group, factor)
+        # typed list[Optional[Tensor]] by torch; `tensors` holds no None
+        torch._foreach_mul_(cast(list[torch.Tensor], group), factor)
 
 
 def _global_norm(parts: list[GradPart], comm) -> float:

@@ -126,7 +126,8 @@ class GradReducer:
             flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
             self.launched[i] = (flat, self.comm.all_reduce_sum(flat, self.dim, async_op=True))
             return
-        send = torch.cat([self.shards[q].by_rank(g) for q, g in zip(self.buckets[i], grads)],
+        pieces = zip(self.buckets[i], grads, strict=True)
+        send = torch.cat([self.shards[q].by_rank(g) for q, g in pieces],
                          dim=1).to(dtype)  # [P, sum of padded pieces]: row r for rank r
         for q in self.buckets[i]:
             q.grad = None  # copied into `send`; only the reduced rows are needed from here

@@ -68,6 +68,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megaulysses.model.attention.dropout import as_dropout
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.recompute import RecomputedCore
 from megaulysses.parallel.ulysses import UlyssesAttention
 
@@ -95,9 +96,8 @@ def apply_head_groups(model: GPT, groups: int) -> GPT:
     unwraps the RecomputedCore that --recompute-activations put inside."""
     if groups == 1:
         return model
-    for layer in model.layers.values():
-        if layer is not None:
-            layer.attn.core = HeadGroups(layer.attn.core, groups)
+    for layer in blocks(model):
+        layer.attn.core = HeadGroups(layer.attn.core, groups)
     return model
 
 
@@ -171,7 +171,7 @@ class HeadGroups:
         return [p.wait() for p in pending], ahead
 
     def _overlapped(self, qs, ks, vs, whole: bool, drops: list, mask,
-                    ahead: _GroupIO) -> list:
+                    ahead: Optional[_GroupIO]) -> list:
         """The groups one ahead (a2a_overlap.py), from group 0's inputs issued (`ahead`):
         group g+1's q, k, v exchanges are issued before group g's core runs, and group
         g's output is waited for after group g+1's core; the exchanged outputs, in order."""
@@ -185,12 +185,14 @@ class HeadGroups:
                 outs.append(done.wait())  # [b, s, P*n, d]
             done = running
             del io, running
+        assert done is not None, "a layer has at least one head group"
         outs.append(done.wait())
         return outs
 
     def _start(self, q, k, v, whole: bool) -> _GroupIO:
         """A group's input exchanges issued: q, and k and v unless exchanged whole."""
         ex = self.exchange
+        assert ex is not None, "overlapped only under Ulysses"
         return _GroupIO([ex.start_heads(q)] + ([] if whole else [ex.start_heads(k),
                                                                    ex.start_heads(v)]))
 
@@ -213,6 +215,7 @@ class HeadGroups:
         recomputed, exchanged again here, the output not at all (its result is unused)."""
         recomputed = io is not None and io.ran
         if io is not None and not recomputed:
+            assert io.inputs is not None, "kept until the group's first run"
             q, *kv = (e.wait() for e in io.inputs)  # [b, S, 1, n, d]
             k, v = kv if kv else (k, v)
             io.inputs = None
@@ -227,6 +230,7 @@ class HeadGroups:
             return out
         if io is not None:
             io.ran = True
+            assert self.exchange is not None, "overlapped (`io`) only under Ulysses"
             return self.exchange.start_sequence(out)  # waited for after the next group's core
         if self.exchange is not None:
             out = self.exchange.to_sequence(out)  # [b, s, P*n, d]

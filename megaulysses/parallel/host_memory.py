@@ -5,6 +5,7 @@ apart; `mark_host` tells the active trackers of each new mark."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable
 
@@ -19,10 +20,15 @@ def mark_host(t: torch.Tensor) -> torch.Tensor:
     st = t.untyped_storage()
     key = id(st)
     if key not in _HOST:
-        _HOST[key] = weakref.ref(st, lambda _, key=key: _HOST.pop(key, None))
+        _HOST[key] = weakref.ref(st, functools.partial(_forget, key))
         for tell in list(_LISTENERS):
             tell(key)
     return t
+
+
+def _forget(key: int, _ref: object) -> None:
+    """The weak reference's callback: the storage `key` names is gone."""
+    _HOST.pop(key, None)
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from megaulysses.config import RunConfig
+from megaulysses.config.fields import filled
 from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.tiling import apply_tiled_mlp
 from megaulysses.parallel import zero as zero_mod
@@ -65,19 +66,22 @@ from megaulysses.parallel.fpdt import apply_fpdt
 from megaulysses.parallel.ulysses import apply_ulysses
 from megaulysses.parallel.zero import Zero
 
+if TYPE_CHECKING:
+    from megaulysses.model.gpt import GPT
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Parallelized:
-    model: nn.Module  # this rank's GPT: only its parts, sharded, initialized, in train mode
+    model: GPT  # this rank's GPT: only its parts, sharded, initialized, in train mode
     pipeline: Optional[Pipeline]  # pp > 1
     zero: Zero  # gradient reduction over dp x sp and the optimizer
     zero_stage: int  # the stage in effect: 0 when dp x sp is one rank (not under
     # --zero-param-offload, whose FSDP2 units are what move the shards to the host)
 
 
-def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.device,
+def parallelize(model: GPT, comm: Comm, cfg: RunConfig, device: torch.device,
                 dtype: torch.dtype,
                 param_groups: Callable[[nn.Module], list[dict]],
                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Parallelized:
@@ -87,11 +91,11 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     sequence_parallel = par.tp_sequence_parallel  # in effect: asked for, and tp > 1
     zero_stage = _zero_stage(par, comm)
     layout = [list(stage) for stage in cfg.layout] if dims.pp > 1 else None
-    stages = []
+    stages: list[nn.Module] = []
     if layout is not None:  # 1
         ids = local_stages(len(layout), dims.pp, comm.rank(PP))
         keep_stages(model, layout, ids)
-        stages = stage_modules(model, layout, ids, residual_dtype(cfg, dtype))
+        stages = list(stage_modules(model, layout, ids, residual_dtype(cfg, dtype)))
     if dims.tp > 1:  # 2
         apply_tensor_parallel(model, comm.mesh(TP), sequence_parallel, comm)
     apply_context_parallel(model, comm)  # 3
@@ -124,15 +128,16 @@ def parallelize(model: nn.Module, comm: Comm, cfg: RunConfig, device: torch.devi
     model.train()
     pipeline = None
     if layout is not None:
-        pipeline = Pipeline(model, comm, layout, par.pipeline_schedule, cfg.micro_batches,
+        schedule = filled(par.pipeline_schedule, "--pipeline-schedule")  # resolve() fills it
+        pipeline = Pipeline(model, comm, layout, schedule, cfg.micro_batches,
                             _micro_shape(cfg, dtype), device, stages)
     # Megatron-LM's distributed optimizer: 16-bit runs at stage <= 1 (under fp32: ZeRO-1)
     dist_opt = (dtype if par.use_distributed_optimizer and zero_stage <= 1
                 and dtype != torch.float32 else None)
-    offload = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
+    fraction = par.optimizer_offload_fraction if par.optimizer_cpu_offload else None
     zero = _build_zero(model, comm, zero_stage, pipeline, reduce_dtype,
                        param_groups(model), make_optimizer, dist_opt,
-                       (offload, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather,
+                       (fraction, par.overlap_cpu_optimizer_d2h_h2d), par.overlap_param_gather,
                        _bucket_bytes(par, model), grad_buffer_dtype(cfg),
                        fuses_weight_gradients(cfg))
     return Parallelized(model, pipeline, zero, zero_stage)
@@ -178,13 +183,15 @@ def _local_piece(value: torch.Tensor, param: DTensor) -> torch.Tensor:
                                  src_data_rank=None).to_local()
     shape, offset = list(value.shape), [0] * value.dim()
     coords = param.device_mesh.get_coordinate()
+    if coords is None:  # every rank builds the model on a mesh holding it
+        raise RuntimeError("write_piece: this rank is not in the parameter's device mesh")
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Shard):  # torch.chunk's rule: pieces of ceil(n / k)
             d, n, k = placement.dim, shape[placement.dim], param.device_mesh.size(mesh_dim)
             full = -(-n // k)
             start = min(n, full * coords[mesh_dim])
             shape[d], offset[d] = min(n, start + full) - start, offset[d] + start
-    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
 def _bucket_bytes(par, model: nn.Module) -> tuple[int, int]:

@@ -76,18 +76,21 @@ def keep_stages(model: GPT, layout: list[list[int]], stages: list[int]) -> GPT:
         del model.layers[name]
     first, last = 0 in stages, len(layout) - 1 in stages
     tied = not model.cfg.untie_embeddings_and_output_weights
+    # Parts dropped in place: the GPT checks them for None (its attributes are typed whole)
     if not first:
         if last and tied:
             model.embed.position = None  # the last stage keeps the word embedding only
         else:
-            model.embed = None
+            model.embed = None  # type: ignore[assignment]
     if not last:
-        model.head = None
+        model.head = None  # type: ignore[assignment]
     return model
 
 
 class StageModule(nn.Module):
     """One pipeline stage: a view over the parts of this rank's GPT that the stage uses."""
+
+    gpt: GPT  # in __dict__, set in __init__: not a submodule
 
     def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool,
                  residual: torch.dtype):
@@ -103,6 +106,7 @@ class StageModule(nn.Module):
                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: tokens [b, s/sp] on the first stage, else hidden [b, s/sp, h]; documents [b, S]
         if self.first:
+            assert self.embed is not None, "the first stage holds the embedding"
             x = self.embed(x, position_ids)
         x = self.gpt.run_layers(x, position_ids, self.layers.values(), documents)  # [b, s/sp, h]
         if self.last:
@@ -258,7 +262,7 @@ class Pipeline:
         self.stage_ids = local_stages(len(layout), pp, rank)
         self.sends = Sends()  # used by the multi-stage schedules only (`_run`)
         self.stages = [self._stage(module, s, len(layout), micro_shape, device)
-                       for module, s in zip(modules, self.stage_ids)]
+                       for module, s in zip(modules, self.stage_ids, strict=True)]
         self._schedules: dict = {}
         self._schedule_for(n_micro)  # the full-size one now: torch refuses a count at build
         self.has_first, self.has_last = 0 in self.stage_ids, len(layout) - 1 in self.stage_ids

@@ -37,7 +37,7 @@ def _key(a: _Action) -> tuple:
 
 def _flat(actions: list) -> list[_Action]:
     """A rank's actions as the runtime performs them (an overlapped pair one by one)."""
-    out = []
+    out: list[_Action] = []
     for a in actions:
         if a is not None:
             out.extend(a.sub_actions or (a,))
@@ -109,7 +109,7 @@ class Sends:
     """One rank's sends in the steps of multi-stage schedules (module doc), shared by the
     rank's stages. Outside a step (`begin` .. `end`) it does nothing."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._plans: dict = {}
         self._plan: Optional[dict] = None
         self._works: dict = {}  # message -> its works, until waited on

@@ -32,6 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megaulysses.parallel.activation_offload import Held, HostStash
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.ulysses import UlyssesAttention
 
 if TYPE_CHECKING:
@@ -56,15 +57,16 @@ def apply_recompute(model: GPT, granularity: Optional[str], method: Optional[str
     that start in the first `offload_layers` layers of a stage wait in host memory
     (parallel/activation_offload.py)."""
     if granularity == "selective":
-        for block in model.layers.values():
+        for block in blocks(model):
             holder = block.attn.core if isinstance(block.attn.core, UlyssesAttention) \
                 else block.attn
             holder.core = RecomputedCore(holder.core)
     elif granularity == "full":
         # The GPT's own loop over layers, replaced on this instance (pipeline stages call it
         # with their layers): the groups are cut from whatever layers one call runs.
-        model.run_layers = partial(_run_layers, model, method or "uniform", num_layers or 1,
-                                   early_stop, offload_layers)
+        model.run_layers = partial(  # type: ignore[method-assign]  # on this instance only
+            _run_layers, model, method or "uniform", num_layers or 1, early_stop,
+            offload_layers)
     return model
 
 
@@ -119,6 +121,7 @@ def _run_layers(model, method: str, num_layers: int, early_stop: bool, offload_l
             continue
         with set_checkpoint_early_stop(early_stop):
             if first < offload_layers:  # the checkpoint keeps `held`, not the tensor
+                assert stash is not None, "made where offload_layers > 0"
                 held = stash.hold(x)
                 x = checkpoint(run_held, first, end, held, use_reentrant=False)
                 held.offload()

@@ -46,6 +46,7 @@ from megaulysses.model.attention.block import (attention_block_size, merge, part
                                                partial_forward, plain_fused_kernel)
 from megaulysses.model.attention.dropout import AttentionDropout, DropoutArg, as_dropout
 from megaulysses.model.attention.fused import FusedKernel
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import CP
 
@@ -122,6 +123,7 @@ class _Ring(torch.autograd.Function):
         # Saved in q's dtype (fp32: the merged out itself), the very tensor returned: the
         # fp32 out goes under a half dtype (the fused kernels' backward takes q's dtype; the
         # block kernel's delta takes out's values in fp32).
+        assert out is not None, "a ring has at least one step"
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.comm, ctx.dim, ctx.kernel = mask, comm, dim, kernel
@@ -272,7 +274,6 @@ def apply_context_parallel(model: GPT, comm: Comm, dim: str = CP) -> GPT:
     """Swap every block's attention core for ring attention (before Ulysses wraps it)."""
     if comm.size(dim) == 1:
         return model
-    for layer in model.layers.values():
-        if layer is not None:
-            layer.attn.core = RingAttention(comm, dim)
+    for layer in blocks(model):
+        layer.attn.core = RingAttention(comm, dim)
     return model

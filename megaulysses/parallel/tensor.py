@@ -31,12 +31,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
+                                               PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from megaulysses.model.layers import compute_weight
 from megaulysses.model.ops.cross_entropy import apply_linear_cross_entropy, autocast_operands
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import TP
 
@@ -56,7 +58,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     if tp_mesh.size() == 1:
         return model
     seq = Shard(1) if sequence_parallel else Replicate()
-    for block in model.layers.values():
+    for block in blocks(model):
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         # its heads are the tp rank's share: attention dropout's masks are per global head
         block.attn.head_offset = tp_mesh.get_local_rank() * (block.attn.num_heads
@@ -64,13 +66,16 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     if model.embed is not None:
         # Vocab-parallel lookup, summed over tp; with SP the block input is then this
         # rank's sequence slice (after the learned positions were added, whole).
-        model.embed.word = VocabParallelEmbedding(model.embed.word, tp_mesh)
+        # a module swap: VocabParallelEmbedding serves the lookups EmbeddingTable did
+        model.embed.word = VocabParallelEmbedding(  # type: ignore[assignment]
+            model.embed.word, tp_mesh)
         if sequence_parallel:
             parallelize_module(model.embed, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=seq))
     if model.head is not None:
-        model.head = VocabParallelHead(model.head, tp_mesh, seq,
-                                       comm if comm is not None else Comm({TP: tp_mesh}))
+        # a module swap: VocabParallelHead serves the GPT's calls of Head (forward, loss)
+        model.head = VocabParallelHead(  # type: ignore[assignment]
+            model.head, tp_mesh, seq, comm if comm is not None else Comm({TP: tp_mesh}))
     return model
 
 
@@ -88,7 +93,7 @@ QK_NORMS = ("attn.q_norm", "attn.k_norm")  # replicated; each rank normalizes it
 
 def _block_plan(block, sp: bool) -> dict:
     seq = Shard(1) if sp else Replicate()
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     for name, kind in BLOCK_LINEARS.items():
         owner, _, attr = name.rpartition(".")
         if getattr(block.get_submodule(owner), attr) is None:
@@ -125,7 +130,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(distribute_tensor(word.weight.detach(), tp_mesh, [Shard(0)]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h], whole
-        w = compute_weight(self.weight).to_local()  # [V/tp, h]: rows [start, start + V/tp)
+        w = _local(compute_weight(self.weight))  # [V/tp, h]: rows [start, start + V/tp)
         local = ids - self.mesh.get_local_rank() * w.shape[0]
         outside = (local < 0) | (local >= w.shape[0])  # [b, s]
         # In the compute dtype, as the whole table's lookup: one rank's row plus zeros is
@@ -164,11 +169,11 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 tied_weight: Optional[torch.Tensor] = None
-                ) -> DTensor:  # -> DTensor [b, s, V], Shard(-1)
+                ) -> torch.Tensor:  # -> DTensor [b, s, V], Shard(-1)
         x = self._hidden(x)
         if self.output is not None:
             return self.output(x)
-        return F.linear(x, tied_weight)  # tied: the vocab-parallel embedding's weight
+        return F.linear(x, _tied(tied_weight))  # tied: the vocab-parallel embedding's weight
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor,
              tied_weight: Optional[torch.Tensor] = None) -> torch.Tensor:  # -> [b, s] fp32
@@ -177,7 +182,7 @@ class VocabParallelHead(nn.Module):
         weight. `to_local()` is differentiable: the gradients reach the DTensor parameters
         in their own layouts (the norm's as partial sums under SP, see `align_grads`)."""
         h = _local(self.norm(x))  # [b, s/tp, h] with SP, else [b, s, h]
-        weight = self.output.weight if self.output is not None else tied_weight
+        weight = self.output.weight if self.output is not None else _tied(tied_weight)
         gather_dim = 1 if isinstance(self.seq, Shard) else None
         return vocab_parallel_linear_cross_entropy(h, _local(weight), labels, self.comm,
                                                    TP, gather_dim)  # [b, s]
@@ -185,6 +190,13 @@ class VocabParallelHead(nn.Module):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tied(weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """The embedding's weight, which a head without an output layer must be given."""
+    if weight is None:
+        raise ValueError("tied output weights: the head needs the embedding's weight")
+    return weight
 
 
 # ---- the vocab-parallel loss ---------------------------------------------------------------
@@ -252,7 +264,7 @@ def step_context(comm: Comm, key: Hashable = None) -> contextlib.ExitStack:
     parallel/compile.py): dynamo compiles nothing inside a dispatch mode, so they go
     uncounted."""
     stack = contextlib.ExitStack()
-    if comm.size(TP) > 1 and not getattr(comm, "compiled", False):
+    if comm.size(TP) > 1 and not comm.compiled:
         stack.enter_context(comm.counting_dtensor_collectives(key))
     return stack
 
@@ -267,7 +279,8 @@ def align_grads(params: Iterable[nn.Parameter], comm: Comm) -> None:
     partial: dict[torch.dtype, list] = {}
     for p in params:
         g = p.grad
-        if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
+        if (not isinstance(g, DTensor) or not isinstance(p, DTensor)
+                or tuple(g.placements) == tuple(p.placements)):
             continue
         if _sums_to_replicate(g.placements, p.placements):
             partial.setdefault(g.dtype, []).append(p)
@@ -277,7 +290,8 @@ def align_grads(params: Iterable[nn.Parameter], comm: Comm) -> None:
         local = [p.grad.to_local() for p in group]
         flat = torch.cat([t.reshape(-1) for t in local])  # [sum of numels]
         comm.all_reduce_sum(flat, TP)
-        for p, t, part in zip(group, local, flat.split([t.numel() for t in local])):
+        for p, t, part in zip(group, local, flat.split([t.numel() for t in local]),
+                           strict=True):
             t.copy_(part.view_as(t))
             p.grad = DTensor.from_local(t, p.grad.device_mesh, p.placements, run_check=False)
 

@@ -39,6 +39,7 @@ import torch
 from megaulysses.model.attention import AttentionCore
 from megaulysses.model.attention.dropout import DropoutArg, as_dropout
 from megaulysses.parallel.a2a_overlap import Exchange, start
+from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import SP
 
@@ -136,9 +137,8 @@ def apply_ulysses(model: GPT, comm: Comm, dim: str = SP) -> GPT:
     """Swap every block's attention core for the Ulysses wrapper (in place)."""
     if comm.size(dim) == 1:
         return model
-    for layer in model.layers.values():
-        if layer is not None:
-            layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
+    for layer in blocks(model):
+        layer.attn.core = UlyssesAttention(layer.attn.core, comm, dim)
     return model
 
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -53,31 +53,19 @@ from megaulysses.parallel.grad_reduce import (BUCKET_MB, GradReducer, RowShard, 
                                               _storage_bytes)
 from megaulysses.parallel.zero_units import (host_tensors, mark_host_grads,
                                              mark_host_states)
-from megaulysses.parallel.zero_units import (offload_policy, offloads,  # noqa: F401
-                                             shard_blocks, shard_root)  # (FSDP2 units)
+from megaulysses.parallel.zero_units import (mixed_precision, offload_policy,  # noqa: F401
+                                             offloads, shard_blocks, shard_root)  # FSDP2 units
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
+
+    from megaulysses.parallel.dist_opt import DistributedOptimizer
 
 DIM = DP_SP
 
 # FSDP2 warns when a wrapped module returns a view (the GPT's per-token losses are one):
 # an in-place op on it would skip FSDP's pre-backward hook. Nothing modifies them in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-
-# -- stages 2 and 3: FSDP2 ---------------------------------------------------------------------
-
-def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecisionPolicy:
-    """Gather parameters in the compute dtype (bf16/fp16: half the all-gather bytes), reduce
-    gradients in `reduce`; the sharded parameters (the master copy) stay fp32. This is the
-    one mixed-precision policy of every stage (`layers.compute_weight`: every parameter used
-    in the compute dtype), so stages 2/3 compute what 0/1 compute. Block inputs are not
-    cast: the residual stream keeps the dtype the embedding gave it (16-bit, or fp32 under
-    --fp32-residual-connection) and autocast picks each op's dtype. Gradients accumulated
-    over micro-batches stay in `reduce` (FSDP upcasts them)."""
-    return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
-                                reduce_dtype=reduce, cast_forward_inputs=False)
 
 
 # -- stage 1: the sharded optimizer ----------------------------------------------------------
@@ -93,6 +81,8 @@ class ShardedAdamW:
 
     def __init__(self, groups: list[dict], comm: Comm, reducer: GradReducer,
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer]):
+        if reducer.shards is None:
+            raise ValueError("ShardedAdamW needs a GradReducer built with row shards (ZeRO-1)")
         self.comm, self.reducer = comm, reducer
         self.shards: dict = reducer.shards
         self.views = {p: self.shards[p].mine(_local(p).detach()) for g in groups
@@ -150,7 +140,7 @@ class ShardedAdamW:
         for stage 0 (flattened), so DCP loads either into either."""
         self._materialize_state()
         out = {}
-        for group, params in zip(self.inner.param_groups, self.groups):
+        for group, params in zip(self.inner.param_groups, self.groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for p in params:
                 name = fqns[p]
@@ -168,7 +158,7 @@ class ShardedAdamW:
             for key in mine:
                 value = state[f"state.{fqns[p]}.{key}"]
                 mine[key].copy_(_local(value))
-        for group, params in zip(self.inner.param_groups, self.groups):
+        for group, params in zip(self.inner.param_groups, self.groups, strict=True):
             for key in group:
                 saved = f"param_groups.{fqns[params[0]]}.{key}"
                 if key != "params" and saved in state:
@@ -186,7 +176,7 @@ class ShardedAdamW:
         for view in self.views.values():
             view.grad = torch.zeros_like(view)
         self.inner.step()
-        for g, lr in zip(self.inner.param_groups, lrs):
+        for g, lr in zip(self.inner.param_groups, lrs, strict=True):
             g["lr"] = lr
         for view in self.views.values():
             view.grad = None
@@ -194,7 +184,7 @@ class ShardedAdamW:
 
     def _as_dtensor(self, p, local: torch.Tensor) -> DTensor:
         mesh, placements = row_shard_spec(p, self.comm)
-        shape = tuple(p.shape)  # global: a DTensor parameter's shape is the whole one
+        shape = p.shape  # global: a DTensor parameter's shape is the whole one
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
@@ -229,19 +219,27 @@ class Zero:
                  make_adamw: Callable[[list[dict]], torch.optim.Optimizer],
                  reduce_dtype: torch.dtype, fsdp_roots: list,
                  align: Optional[Callable[[list], None]] = None,
-                 optimizer: Optional[ShardedAdamW] = None, bucket_mb: float = BUCKET_MB):
+                 optimizer: Optional[DistributedOptimizer] = None,
+                 bucket_mb: float = BUCKET_MB):
         self.comm, self.stage, self.fsdp_roots, self.align = comm, stage, fsdp_roots, align
         self.params = [p for g in groups for p in g["params"]]
         # `optimizer` (own): one that reduces, holds and steps (dist_opt.py)
-        self.reducer, self.own = None, optimizer
+        self.reducer: Optional[GradReducer] = None
+        self.own = optimizer
         n = comm.size(DIM)
         if stage <= 1 and n > 1 and optimizer is None:
             shards = ({p: RowShard.of(_local(p), n, comm.rank(DIM)) for p in self.params}
                       if stage == 1 else None)
             self.reducer = GradReducer(list(model.parameters()), comm, DIM, bucket_mb,
                                        shards=shards, reduce_dtype=reduce_dtype, align=align)
-        self.optimizer = optimizer or (ShardedAdamW(groups, comm, self.reducer, make_adamw)
-                                       if stage == 1 else make_adamw(groups))
+        self.optimizer: ShardedAdamW | torch.optim.Optimizer
+        if optimizer is not None:
+            self.optimizer = optimizer
+        elif stage == 1:  # ZeRO-1 runs only where dp x sp has ranks: `reducer` is built
+            assert self.reducer is not None, "stage 1 on one dp x sp rank"
+            self.optimizer = ShardedAdamW(groups, comm, self.reducer, make_adamw)
+        else:
+            self.optimizer = make_adamw(groups)
         self._reduces = self.reducer or optimizer  # what arm() and finish() go to, if any
         # every FSDP unit (blocks, an untied model's embedding and head under stage 3,
         # the roots): what reshard, held_bytes and stage 2's reshard switch go over
@@ -282,7 +280,7 @@ class Zero:
             self.align([p for p in self.params if p.grad is not None])
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor:
-        if self.own is not None or (self.stage == 1 and self.reducer is not None):
+        if isinstance(self.optimizer, ShardedAdamW):  # its own (dist_opt.py) or ZeRO-1's
             return self.optimizer.grad_of(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -388,6 +386,8 @@ def _tp_sharded(p) -> bool:
     """Is `p` split over tensor-parallel ranks (as opposed to replicated on them)?"""
     if not isinstance(p, DTensor):
         return False
-    names = p.device_mesh.mesh_dim_names or ()
+    names = p.device_mesh.mesh_dim_names
+    if names is None:  # an unnamed mesh has no tensor-parallel dimension
+        return False
     return any(pl.is_shard() or isinstance(pl, _StridedShard)
-               for name, pl in zip(names, p.placements) if name == TP)
+               for name, pl in zip(names, p.placements, strict=True) if name == TP)

@@ -36,7 +36,8 @@ after its reduce-scatter. Under pp that happens once a step (the gathered stage 
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from itertools import pairwise
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,23 @@ from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import DP_SP
 from megaulysses.parallel.grad_reduce import _local
 from megaulysses.parallel.host_memory import mark_host
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    from megaulysses.model.gpt import GPT
+
+
+def mixed_precision(compute: torch.dtype, reduce: torch.dtype) -> MixedPrecisionPolicy:
+    """Gather parameters in the compute dtype (bf16/fp16: half the all-gather bytes), reduce
+    gradients in `reduce`; the sharded parameters (the master copy) stay fp32. This is the
+    one mixed-precision policy of every stage (`layers.compute_weight`: every parameter used
+    in the compute dtype), so stages 2/3 compute what 0/1 compute. Block inputs are not
+    cast: the residual stream keeps the dtype the embedding gave it (16-bit, or fp32 under
+    --fp32-residual-connection) and autocast picks each op's dtype. Gradients accumulated
+    over micro-batches stay in `reduce` (FSDP upcasts them)."""
+    return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                reduce_dtype=reduce, cast_forward_inputs=False)
 
 
 def offload_policy(on: bool, device_type: str) -> OffloadPolicy:
@@ -62,7 +80,7 @@ def offloads(policy: OffloadPolicy) -> bool:
     return isinstance(policy, CPUOffloadPolicy)
 
 
-def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
+def shard_blocks(model: GPT, comm: Comm, stage: int, mp: MixedPrecisionPolicy,
                  pipeline: bool, offload: Optional[OffloadPolicy] = None) -> None:
     """fully_shard every transformer block this rank holds over dp x sp, and under stage 3
     without pp the embedding and the head of an untied model (`separate_ends`). Stage 3
@@ -70,15 +88,16 @@ def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPol
     stage 2, and any stage under pp, keeps them until backward. Before `shard_root`."""
     reshard = stage == 3 and not pipeline
     ends = separate_ends(model) if reshard else False
-    units = list(model.layers.values())
+    modules: list[nn.Module] = list(model.layers.values())
     if ends:
-        units = [model.embed] + units + [model.head]
-    for unit in units:
-        fully_shard(unit, mesh=comm.mesh(DP_SP), reshard_after_forward=reshard, mp_policy=mp,
-                    offload_policy=offload or OffloadPolicy())
-        _configure(unit, comm)
+        modules = [model.embed, *modules, model.head]
+    units: list[FSDPModule] = []
+    for m in modules:
+        units.append(fully_shard(m, mesh=comm.mesh(DP_SP), reshard_after_forward=reshard,
+                                 mp_policy=mp, offload_policy=offload or OffloadPolicy()))
+        _configure(units[-1], comm)
     if reshard:
-        for prev, nxt in zip(units, units[1:]):
+        for prev, nxt in pairwise(units):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
     if ends:
@@ -88,12 +107,13 @@ def shard_blocks(model: nn.Module, comm: Comm, stage: int, mp: MixedPrecisionPol
         # The embedding's backward reads no weights (the output gradient added into rows
         # by token id; FSDP's option for embeddings): it is never gathered in backward,
         # and the first block's prefetch of it is a no-op.
-        model.embed.set_unshard_in_backward(False)
+        embed = units[0]  # model.embed, an FSDP unit now
+        embed.set_unshard_in_backward(False)
         # Nor does it prefetch anything: without a list of its own FSDP would gather the
         # unit before it in its recorded forward order, which after an evaluation's
         # forwards (recorded, never consumed by a backward) is the head, once more. A list
         # naming itself turns that off (and is a no-op).
-        model.embed.set_modules_to_backward_prefetch([model.embed])
+        embed.set_modules_to_backward_prefetch([embed])
 
 
 def separate_ends(model: nn.Module) -> bool:
@@ -109,9 +129,9 @@ def shard_root(module: nn.Module, comm: Comm, mp: MixedPrecisionPolicy,
     """fully_shard the parameters of `module` no other unit holds (the whole GPT, or a
     pipeline stage): the root unit. Kept gathered from forward to backward, which starts
     with them."""
-    fully_shard(module, mesh=comm.mesh(DP_SP), reshard_after_forward=False, mp_policy=mp,
-                offload_policy=offload or OffloadPolicy())
-    _configure(module, comm)
+    unit = fully_shard(module, mesh=comm.mesh(DP_SP), reshard_after_forward=False, mp_policy=mp,
+                       offload_policy=offload or OffloadPolicy())
+    _configure(unit, comm)
     return module
 
 
@@ -119,8 +139,10 @@ def _configure(module: FSDPModule, comm: Comm) -> None:
     module.set_gradient_divide_factor(1.0)  # sum over dp x sp, never average
     module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     all_gather, reduce_scatter = comm.fsdp_collectives()
-    module.set_custom_all_gather(all_gather)
-    module.set_custom_reduce_scatter(reduce_scatter)
+    # torch types these with ABCs of a private module that older torch lacks: ours match
+    # their calls without subclassing them
+    module.set_custom_all_gather(cast("AllGather", all_gather))
+    module.set_custom_reduce_scatter(cast("ReduceScatter", reduce_scatter))
 
 
 # -- --zero-param-offload: what is on the host, for the live-bytes tracker ----------------

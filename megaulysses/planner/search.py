@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from megaulysses.config import Config, ConfigError, RunConfig, resolve, validate
+from megaulysses.config.fields import filled
 from megaulysses.hardware import GPU, RESERVE_GIB
 from megaulysses.planner.time_model import Prediction, predict
 
@@ -109,7 +110,7 @@ class SearchResult:
     def reasons(self) -> list[tuple[str, int, str]]:
         """(what, how many, an example) per reason, most frequent first."""
         counts = Counter(_reason_key(c) for c in self.rejected)
-        example = {}
+        example: dict[str, Candidate] = {}
         for c in self.rejected:
             example.setdefault(_reason_key(c), c)
         return [(key, n, f"{example[key].grid}: {example[key].reason}")
@@ -123,7 +124,12 @@ class SearchResult:
 
 
 def _reason_key(c: Candidate) -> str:
-    return "does not fit in memory" if c.kind == "memory" else c.reason.split(":")[0]
+    return "does not fit in memory" if c.kind == "memory" else _flag_of(c)
+
+
+def _flag_of(c: Candidate) -> str:
+    """The flag a rejected candidate's reason names ("" for one that fits)."""
+    return (c.reason or "").split(":")[0]
 
 
 def configure(base: Config, grid: Grid) -> RunConfig:
@@ -217,7 +223,8 @@ def _megatron_sp(tp: int, fixed: dict) -> list[bool]:
 def _micro_batches(base: Config, dp: int, fixed: dict) -> list[int]:
     if "micro_batch" in fixed:
         return [fixed["micro_batch"]]
-    per_dp = base.train.global_batch_size // dp if base.train.global_batch_size % dp == 0 else 1
+    gbs = filled(base.train.global_batch_size, "--global-batch-size")  # search's caller sets it
+    per_dp = gbs // dp if gbs % dp == 0 else 1
     return [b for b in MICRO_BATCHES if per_dp % b == 0] or [1]
 
 
@@ -228,8 +235,9 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
     dp, tp, pp, sp, cp = shape
     stages = _stages(base, dp * cp * sp, fixed, alone=dp * tp * pp * sp * cp == 1)
     held = dict(fixed, offload=bool(fixed["offload"])) if "offload" in fixed else fixed
+    # strict=False: a level's fifth item (FPDT's chunk) is no fixable field; the first four are
     levels = [level for level in _levels(base, fixed) if all(held.get(k, v) == v for k, v
-              in zip(("recompute", "tiles", "offload", "head_groups"), level))]
+              in zip(("recompute", "tiles", "offload", "head_groups"), level, strict=False))]
     if "tiles" in fixed and not levels:  # a tile count LEVELS does not list
         levels = [(r, fixed["tiles"], o, g, c) for r, _, o, g, c in _levels(base, fixed)
                   if fixed.get("recompute", r) == r and held.get("offload", o) == o
@@ -262,13 +270,13 @@ def _fewer_offloaded(base: Config, c: Candidate, gpu: GPU, reserve_gib: float) -
     share, the same grid with the most layers offloaded that the host holds: the rest
     stay on the device, which then holds what the host cannot (host bytes grow and
     device bytes shrink with the count, so one bisection finds it)."""
-    if c.kind != "memory" or c.prediction.fits_host:
-        return c
+    if c.kind != "memory" or c.prediction is None or c.prediction.fits_host:
+        return c  # (a "memory" candidate always has its prediction)
     fit, miss, best = 0, c.grid.offload, None
     while miss - fit > 1:
         mid = (fit + miss) // 2
         trial = evaluate(base, replace(c.grid, offload=mid), gpu, reserve_gib)
-        if trial.kind == "invalid":
+        if trial.kind == "invalid" or trial.prediction is None:
             return c
         if trial.prediction.fits_host:
             fit, best = mid, trial
@@ -311,7 +319,6 @@ def _levels(base: Config, fixed: dict) -> tuple:
 def _depends_on_level(c: Candidate) -> bool:
     """A rule that another recomputation level or ZeRO stage could still satisfy (else
     the shape itself is invalid, counted once)."""
-    return c.reason.split(":")[0] in ("--recompute-num-layers", "--tiled-mlp-chunks",
-                                      "--zero-stage", "--attention-head-groups",
-                                      "--cpu-offloading-num-layers", "--ds-sequence-parallel-fpdt",
-                                      "--ds-sequence-parallel-fpdt-chunk-size")
+    return _flag_of(c) in ("--recompute-num-layers", "--tiled-mlp-chunks", "--zero-stage",
+                           "--attention-head-groups", "--cpu-offloading-num-layers",
+                           "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size")

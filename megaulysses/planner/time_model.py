@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megaulysses.config import Config
+from megaulysses.config.fields import filled
 from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.attention import mask_from_config
 from megaulysses.model.flops import flops_per_iteration
@@ -120,7 +121,7 @@ def predict(cfg: Config, dims: ParallelDims, gpu: GPU, reserve_gib: float = RESE
     slowest = max(stages, key=lambda r: timed[r]["time"])
     t = timed[slowest]
     biggest = max(stages, key=lambda r: plans[r].peak_bytes)
-    gbs, world = cfg.train.global_batch_size, dims.world
+    gbs, world = filled(cfg.train.global_batch_size, "--global-batch-size"), dims.world
     model_flops = flops_per_iteration(cfg.model, gbs)
     return Prediction(
         memory_bytes=plans[biggest].peak_bytes, memory_stage=biggest,
@@ -146,7 +147,8 @@ def megatron_deepspeed_flops(cfg: Config) -> float:
     m, t = cfg.model, cfg.train
     f = 4 if cfg.memory.recompute_granularity else 3
     h, s, L, V = m.hidden_size, m.seq_length, m.num_layers, m.padded_vocab_size
-    return 24 * f * t.global_batch_size * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
+    gbs = filled(t.global_batch_size, "--global-batch-size")
+    return 24 * f * gbs * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def _mean_flops(timed: dict, dims: ParallelDims) -> float:
@@ -220,7 +222,7 @@ def _flops(cfg: Config, dims: ParallelDims, plan: MemoryPlan, last: bool) -> dic
     layers = plan.layers
     mem = cfg.memory
     rerun = {"full": plan.recomputed_layers * (gemm + attn),
-             "selective": layers * attn}.get(mem.recompute_granularity, 0)
+             "selective": layers * attn}.get(mem.recompute_granularity or "none", 0)
     if mem.tiled_mlp_chunks > 1:
         rerun += layers * mlp
     # head groups: each group's core runs forward once more, right before its backward

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from megaulysses.config import CheckpointError, Config, RunConfig, TrainConfig
+from megaulysses.config.fields import filled
 from megaulysses.config.schema import SECTIONS
 from megaulysses.training.load_rules import check_meta
 
@@ -215,7 +216,7 @@ def find_checkpoint(load: str, save: Optional[str] = None,
     try:
         dirs = _iteration_dirs(load)
     except OSError as e:
-        raise CheckpointError(f"--load: cannot read {load}: {e.strerror}")
+        raise CheckpointError(f"--load: cannot read {load}: {e.strerror}") from None
     path = _newest_committed(load, dirs, _marker(load))
     if path is not None:
         return path
@@ -246,7 +247,8 @@ def _marker(load: str) -> Optional[int]:
     try:
         return int(open(marker).read().strip())
     except (OSError, ValueError):
-        raise CheckpointError(f"--load: {marker} is unreadable or not an iteration number")
+        raise CheckpointError(
+            f"--load: {marker} is unreadable or not an iteration number") from None
 
 
 def _newest_committed(load: str, dirs: list, marked: Optional[int]) -> Optional[str]:
@@ -272,7 +274,7 @@ def read_meta(path: str) -> dict:
         with open(os.path.join(path, STATE_FILE)) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})")
+        raise CheckpointError(f"--load: {path}/{STATE_FILE} is unreadable ({e})") from None
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, expect: dict,
@@ -286,8 +288,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
     contents = meta.get("contents", ["model", "optim", "rng"])
     _check_contents(path, meta, contents, load_optim, load_rng)
     with_optim = load_optim and "optim" in contents
-    model_sd, optim_sd = _state_dicts(model, optimizer, with_optim)
-    state_dict = {"model": model_sd, **({"optim": optim_sd} if with_optim else {})}
+    model_sd, optim_sd = _state_dicts(model, optimizer, with_optim)  # optim_sd: if with_optim
+    state_dict = {"model": model_sd, **({"optim": optim_sd} if optim_sd is not None else {})}
     rng = _load_dcp(path, state_dict, rank if load_rng and "rng" in contents else None)
     if hasattr(optimizer, "load_model_state_dict"):  # its main weights, then the 16-bit
         optimizer.load_model_state_dict(state_dict["model"], _names(model))
@@ -295,7 +297,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optimizer, exp
         set_model_state_dict(model, state_dict["model"], options=OPTIONS)
     if with_optim and hasattr(optimizer, "load_dcp_state_dict"):
         optimizer.load_dcp_state_dict(state_dict["optim"], _names(model))
-    elif with_optim:
+    elif with_optim:  # torch's own (ours have load_dcp_state_dict)
+        assert isinstance(optimizer, torch.optim.Optimizer), type(optimizer)
         set_optimizer_state_dict(model, optimizer, state_dict["optim"], options=OPTIONS)
     else:
         log.info("%s: model only (%s): the optimizer starts fresh", path,
@@ -341,14 +344,16 @@ def _load_dcp(path: str, state_dict: dict, rng_rank: Optional[int]) -> Optional[
         return torch.load(rng_file, weights_only=False)
     # DCP wraps per-rank failures in CheckpointException, a BaseException (not Exception).
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}")
+        raise CheckpointError(f"--load: {path} is corrupt or incomplete: {_root_cause(e)}") from e
 
 
 def read_model_checkpoint(path: str) -> tuple[dict, dict]:
     """One process, no grid: (trainer_state.json, {parameter name: whole tensor}) of a
     committed checkpoint saved on any grid. For tools (conversion to Hugging Face)."""
     from megaulysses.model.gpt import GPT
-    path = find_checkpoint(path)
+    found = find_checkpoint(path)  # not another run's --save: never None, raises instead
+    assert found is not None, path
+    path = found
     meta = read_meta(path)
     cfg = model_config(meta["model"])
     with torch.device("meta"):
@@ -401,7 +406,8 @@ def tokenizer_meta(cfg: Config, vocab_size: int) -> dict:
     if d.tokenizer_type == "HuggingFaceTokenizer":  # its tokenizer.json holds the vocabulary
         from megaulysses.data.hf_tokenizer import tokenizer_json
         return {"type": d.tokenizer_type, "vocab_size": vocab_size,
-                "sha256": tokenizer_sha256(tokenizer_json(d.tokenizer_model)),
+                "sha256": tokenizer_sha256(tokenizer_json(
+                    filled(d.tokenizer_model, "--tokenizer-model"))),
                 "flag": f"--tokenizer-model {d.tokenizer_model}"}
     return {"type": d.tokenizer_type, "vocab_size": vocab_size,
             "sha256": tokenizer_sha256(d.tokenizer_model),

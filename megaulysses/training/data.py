@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, Optional, TypeGuard
 
 from megaulysses.config import Config, ConfigError
+from megaulysses.config.fields import filled
 from megaulysses.data.gpt_dataset import (MockGPTDataset, atomic_write,
                                           build_train_valid_test_datasets, parse_data_path,
                                           parse_split)
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 def load_tokenizer(cfg: Config) -> Tokenizer:
     d = cfg.data
     for flag, path in _tokenizer_paths(cfg):
-        if not os.path.isfile(path or ""):
+        if path is None or not os.path.isfile(path):
             raise ConfigError(flag, f"file not found: {path}")
         if not os.access(path, os.R_OK):
             raise ConfigError(flag, f"{path}: cannot read (permission denied)")
@@ -53,8 +55,8 @@ def _load_error(cfg: Config, message: str) -> ConfigError:
     return ConfigError(flag, f"cannot load {d.tokenizer_model}: {reason}")
 
 
-def _tokenizer_paths(cfg: Config) -> list[tuple[str, str]]:
-    """(flag, path) of each file the run's tokenizer is read from."""
+def _tokenizer_paths(cfg: Config) -> list[tuple[str, Optional[str]]]:
+    """(flag, path) of each file the run's tokenizer is read from (None: not given)."""
     d = cfg.data
     if d.tokenizer_type == "GPT2BPETokenizer":
         return [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]
@@ -67,10 +69,12 @@ def sample_counts(cfg: Config) -> tuple[int, int, int]:
     """Samples each split must provide: all training steps, every evaluation, one test eval."""
     t = cfg.train
     # Megatron-LM's: --train-samples where given (whole batches of it are taken)
-    train = t.train_samples or t.train_iters * t.global_batch_size
-    evals = (t.train_iters // t.eval_interval if t.eval_interval else 0) + 1
-    valid = evals * t.eval_iters * t.global_batch_size
-    test = t.eval_iters * t.global_batch_size
+    gbs = filled(t.global_batch_size, "--global-batch-size")
+    train = t.train_samples or filled(t.train_iters, "--train-iters") * gbs
+    evals = (filled(t.train_iters, "--train-iters") // t.eval_interval
+             if t.eval_interval else 0) + 1
+    valid = evals * t.eval_iters * gbs
+    test = t.eval_iters * gbs
     return train, valid, test
 
 
@@ -82,18 +86,21 @@ def build_datasets(cfg: Config, vocab_size: int
     try:
         weights = parse_split(cfg.data.split)
     except ValueError as e:
-        raise ConfigError("--split", str(e).removeprefix("--split:").strip())
+        raise ConfigError("--split", str(e).removeprefix("--split:").strip()) from None
     if weights[0] == 0:
         raise ConfigError("--split", f"the train split must not be empty, got {cfg.data.split}")
     # A split given weight 0 (e.g. 98,2,0) is not evaluated; others must hold documents.
-    counts = tuple(n if w > 0 else 0 for n, w in zip(counts, weights))
+    n_train, n_valid, n_test = (n if w > 0 else 0
+                                for n, w in zip(counts, weights, strict=True))
+    counts = n_train, n_valid, n_test
     if cfg.data.mock_data:
         return tuple(MockGPTDataset(n, seq, vocab_size, seed + i) if n else None
                      for i, n in enumerate(counts))
     try:
-        prefixes, weights = parse_data_path(cfg.data.data_path)
+        # the rules require --data-path without --mock-data
+        prefixes, weights = parse_data_path(filled(cfg.data.data_path, "--data-path"))
     except ValueError as e:
-        raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip())
+        raise ConfigError("--data-path", str(e).removeprefix("--data-path:").strip()) from None
     prefixes = [_prefix_of(p) for p in prefixes]
     for prefix in prefixes:
         if not dataset_exists(prefix):
@@ -106,13 +113,13 @@ def build_datasets(cfg: Config, vocab_size: int
         return build_train_valid_test_datasets(prefixes, weights, cfg.data.split, counts,
                                                seq, seed, cache)
     except IndexedDatasetError as e:
-        raise ConfigError("--data-path", str(e))
+        raise ConfigError("--data-path", str(e)) from None
     except OSError as e:  # e.g. no read permission: one line naming the file
-        raise ConfigError("--data-path", f"{e.filename}: cannot read ({e.strerror or e})")
+        raise ConfigError("--data-path", f"{e.filename}: cannot read ({e.strerror or e})") from None
     except ValueError as e:
         msg = str(e)
         flag = msg.split(":")[0] if msg.startswith("--") else "--data-path"
-        raise ConfigError(flag, msg.removeprefix(flag + ":").strip())
+        raise ConfigError(flag, msg.removeprefix(flag + ":").strip()) from None
 
 
 def _prefix_of(path: str) -> str:
@@ -162,7 +169,7 @@ def _token_range(prefix: str, cache_dir: str) -> tuple[int, int]:
     ranges[key] = {"identity": identity, "range": list(IndexedDataset(prefix).token_range())}
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        atomic_write(path, lambda f: f.write(json.dumps(ranges).encode()))
+        atomic_write(path, functools.partial(_write_json, ranges))
     except OSError:
         log.warning("cannot write %s (read-only data dir?); rescanning next time", path)
     return tuple(ranges[key]["range"])
@@ -198,7 +205,11 @@ def _read_token_ranges(path: str) -> dict:
     return ranges
 
 
-def _valid_entry(entry) -> bool:
+def _write_json(value: object, f: BinaryIO) -> None:
+    f.write(json.dumps(value).encode())
+
+
+def _valid_entry(entry: object) -> TypeGuard[dict]:
     return (isinstance(entry, dict) and isinstance(entry.get("identity"), str)
             and isinstance(entry.get("range"), list) and len(entry["range"]) == 2
             and all(type(v) is int for v in entry["range"]))

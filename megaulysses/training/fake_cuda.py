@@ -62,7 +62,7 @@ import contextlib
 import gc
 import logging
 import warnings
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
@@ -176,7 +176,7 @@ def measure_all(grids: dict = GRIDS) -> dict:
     import traceback
     logging.disable(logging.INFO)
     warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-    out = {}
+    out: dict[tuple[str, int], Union[dict, str]] = {}
     for name, (world, ranks, flags) in grids.items():
         for rank in ranks:
             try:

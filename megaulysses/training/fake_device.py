@@ -329,7 +329,7 @@ def _carry(func, args, kwargs, out):
     real_args, real_kwargs = tree_map(_to_value, (args, kwargs))
     with unset_fake_temporarily():
         real = func(*real_args, **real_kwargs)
-    for fake, value in zip(tree_leaves(out), tree_leaves(real)):
+    for fake, value in zip(tree_leaves(out), tree_leaves(real), strict=True):
         _keep(fake, value)
 
 
@@ -344,7 +344,8 @@ def _to_value(a):
 
 def _written(func, args, kwargs) -> list:
     schema = func._schema.arguments
-    named = dict(zip((a.name for a in schema), args), **kwargs)
+    # args may stop short of the schema (the rest keyword or defaulted): truncation intended
+    named = dict(zip((a.name for a in schema), args, strict=False), **kwargs)
     return [t for a in schema if a.alias_info is not None and a.alias_info.is_write
             for t in tree_leaves(named.get(a.name)) if isinstance(t, torch.Tensor)]
 

@@ -59,6 +59,7 @@ from megaulysses.parallel.host_memory import is_host_storage, listen
 
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 HOST = "host"  # the label of storages marked as host memory (parallel/host_memory.py)
+_WAIT: Optional[torch._ops.OpOverload]
 try:
     _WAIT = torch.ops._c10d_functional.wait_tensor.default
 except (AttributeError, RuntimeError):  # a build without torch.distributed
@@ -86,6 +87,9 @@ def _has_storage(t: torch.Tensor) -> bool:
 
 class _Record:
     __slots__ = ("nbytes", "label", "ref")
+    nbytes: int
+    label: str
+    ref: weakref.ref
 
 
 class LiveBytes(TorchDispatchMode):
@@ -268,7 +272,7 @@ def _tracking_resize(st, size):
 
 def _patch_resize(tracker: LiveBytes):
     if not _ACTIVE:
-        torch.UntypedStorage.resize_ = _tracking_resize
+        torch.UntypedStorage.resize_ = _tracking_resize  # type: ignore[method-assign]
     _ACTIVE.append(tracker)
 
 
@@ -276,7 +280,7 @@ def _unpatch_resize(tracker: LiveBytes):
     if tracker in _ACTIVE:
         _ACTIVE.remove(tracker)
     if not _ACTIVE:
-        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 # -- storages that exist already ------------------------------------------------------------

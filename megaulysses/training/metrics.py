@@ -116,8 +116,10 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[flo
         if peak is not None:
             kind = "bf16/fp16" if dtype in (torch.bfloat16, torch.float16) else \
                 ("TF32" if tf32 else "fp32 (no TF32)")
+            hit = gpu_peak(name)
+            assert hit is not None, "gpu_peak_tflops found it"
             log.info("peak for MFU: %s -> GPU_PEAKS[%s] %s %.1f TFLOP/s", name,
-                     " ".join(gpu_peak(name)[0]), kind, peak)
+                     " ".join(hit[0]), kind, peak)
             return peak
         log.warning("unknown GPU %r: pass --peak-tflops for MFU; measuring a matmul", name)
     return measure_cpu_peak_tflops(dtype) if device.type == "cpu" else _measure_cuda(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
 
 from megaulysses.config import TrainConfig
+from megaulysses.config.fields import filled
 from megaulysses.config.schedule import decoupled_min_lr, schedule_position
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,9 @@ def lr_bounds(model: nn.Module, t: TrainConfig) -> list[tuple[float, float]]:
     builds them: --lr and --min-lr, or --decoupled-lr and --decoupled-min-lr. Kept here,
     not in the groups: a key there would be saved with the optimizer and change what
     a checkpoint must hold."""
-    decoupled = t.decoupled_lr is not None
-    return [(t.decoupled_lr, decoupled_min_lr(t)) if key[0] else (t.lr, t.min_lr)
-            for key, _ in _grouped(model, decoupled)]
+    peak = t.decoupled_lr  # None: every group on --lr
+    return [(peak, decoupled_min_lr(t)) if key[0] and peak is not None else (t.lr, t.min_lr)
+            for key, _ in _grouped(model, peak is not None)]
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
@@ -65,7 +66,7 @@ def adamw(groups: list[dict], t: TrainConfig) -> torch.optim.Optimizer:
     for a parameter (its device or dtype) its foreach kernels for all, said in the log;
     never the for-loop (a few kernels per parameter from Python, torch's default on CPU).
     Decided here: torch would refuse only at the first step."""
-    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     fused = _fused_devices()
     refused = sorted({f"{p.dtype} on {p.device.type}" for g in groups for p in g["params"]
                       if not (p.is_floating_point() and p.device.type in fused)})
@@ -97,7 +98,8 @@ class LRSchedule:
     def __init__(self, t: TrainConfig, bounds: Optional[list[tuple[float, float]]] = None):
         self.t = t
         if t.train_samples is None:
-            self.warmup, self.decay = t.lr_warmup_iters, t.lr_decay_iters or t.train_iters
+            self.warmup = t.lr_warmup_iters
+            self.decay = t.lr_decay_iters or filled(t.train_iters, "--train-iters")
         else:
             self.warmup = t.lr_warmup_samples
             self.decay = t.lr_decay_samples or t.train_samples
@@ -141,7 +143,7 @@ class LRSchedule:
 def set_lr(optimizer: torch.optim.Optimizer, lrs: list[float]) -> None:
     """`lrs`: one per group (LRSchedule.group_lrs)."""
     assert len(lrs) == len(optimizer.param_groups), (len(lrs), len(optimizer.param_groups))
-    for g, lr in zip(optimizer.param_groups, lrs):
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         g["lr"] = lr
 
 
@@ -154,7 +156,7 @@ class LossScaler:
 
     def __init__(self, t: TrainConfig):
         self.dynamic = t.loss_scale is None
-        self.scale = t.initial_loss_scale if self.dynamic else t.loss_scale
+        self.scale = t.initial_loss_scale if t.loss_scale is None else t.loss_scale
         self.min_scale, self.window, self.hysteresis = (t.min_loss_scale, t.loss_scale_window,
                                                         t.hysteresis)
         self.clean_steps = 0

@@ -22,7 +22,8 @@ def check_outputs(cfg: Config) -> None:
     t = cfg.train
     loaded = ckpt.find_checkpoint(t.load, t.save, t.exit_on_missing_checkpoint) \
         if t.load else None
-    resumes_own = loaded is not None and t.save is not None and _same(t.load, t.save)
+    resumes_own = (loaded is not None and t.load is not None and t.save is not None
+                   and _same(t.load, t.save))
     if loaded is None:
         _check_metrics(cfg.log.metrics_jsonl)
     if t.save and not resumes_own:

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 
 from megaulysses.config import Config
+from megaulysses.config.fields import filled
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ class StepProfiler:
         lg = cfg.log
         self.on = lg.profile and (not lg.profile_ranks or rank in lg.profile_ranks)  # []: all
         self.start, self.end = lg.profile_step_start, lg.profile_step_end
-        self.path = trace_path(lg.tensorboard_dir, rank) if self.on else None
+        # the rules make --profile need --tensorboard-dir (the traces go beside it)
+        self.path = (trace_path(filled(lg.tensorboard_dir, "--tensorboard-dir"), rank)
+                     if self.on else None)
         self.prof: Optional[torch.profiler.profile] = None
 
     @contextlib.contextmanager
@@ -83,8 +86,9 @@ class StepProfiler:
         """Stop a trace in progress and write what it recorded."""
         if self.prof is None:
             return
-        prof, self.prof = self.prof, None
+        prof, self.prof, path = self.prof, None, self.path
+        assert path is not None, "a trace runs only where the profiler is on"
         prof.stop()
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        prof.export_chrome_trace(self.path)
-        log.info("profiler: trace written to %s", self.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        prof.export_chrome_trace(path)
+        log.info("profiler: trace written to %s", path)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from megaulysses.config.fields import filled
 from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.gpt import count_parameters, parameter_count
 from megaulysses.parallel.comm import BYTE_KINDS
@@ -137,9 +138,10 @@ def iteration_record(run: Run, state: TrainState, w: Window, flops: float, peak:
     """The metrics of the last `w.steps` iterations (and the log line saying them). `step`:
     the last step's global batch size and learning rate(s) (LRSchedule.logged)."""
     it, parts = state.iteration, run.parts
+    iters = filled(run.cfg.train.train_iters, "--train-iters")
     step_time = w.time / w.steps
     tflops = flops / step_time / run.cfg.dims.world / 1e12  # per device, as Megatron
-    eta = (time.perf_counter() - t_start) / (it - start_iter) * (run.cfg.train.train_iters - it)
+    eta = (time.perf_counter() - t_start) / (it - start_iter) * (iters - it)
     rec = {"iteration": it, "consumed_samples": state.consumed_train_samples, **step,
            "loss": w.loss / w.steps,
            "grad_norm": w.grad_norm / max(1, w.steps - w.skipped),
@@ -153,7 +155,7 @@ def iteration_record(run: Run, state: TrainState, w: Window, flops: float, peak:
     if isinstance(scaler, LossScaler):
         rec["loss_scale"] = scaler.scale
     rec.update(_norms(w.last))  # the last step's, as Megatron-LM logs them
-    _log_line(rec, run.cfg.train.train_iters, format_duration(eta))
+    _log_line(rec, iters, format_duration(eta))
     return rec
 
 

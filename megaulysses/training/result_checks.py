@@ -161,11 +161,13 @@ class ResultChecks:
                        if torch.cuda.is_initialized() else {})}
 
     def restore_rng(self) -> None:
-        random.setstate(self.rng["python"])
-        np.random.set_state(self.rng["numpy"])
-        torch.set_rng_state(self.rng["torch"])
-        if "cuda" in self.rng:
-            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        rng = self.rng
+        assert rng is not None, "save_rng() runs before every step"
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def review(self, loss: float, grad_norm: float, iteration: int) -> bool:
         """True: run this step again before stepping. The rerun's own review compares."""
@@ -201,6 +203,7 @@ class ResultChecks:
         return False
 
     def _diagnose(self, values: dict, iteration: int) -> None:
+        assert self.first is not None, "called on a rerun: the first run's result is kept"
         check, first = self.first
         self.first = None
         a, b = first[check.name], values[check.name]

@@ -14,18 +14,19 @@ import logging
 import random
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 
 from megaulysses.config import Config, ConfigError, RunConfig, resolve
+from megaulysses.config.fields import filled
 from megaulysses.config.compat import CompatConfig
 from megaulysses.config.megatron import given_lines
 from megaulysses.config.summary import format_settings
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.data.tokenizer import Tokenizer
-from megaulysses.data.workers import with_workers
+from megaulysses.data.workers import WorkerBatches, with_workers
 from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.gpt import GPT
 from megaulysses.model.ops.kernels import select_kernels
@@ -160,8 +161,9 @@ def build_run(cfg: Config) -> Run:
     return Run(run_cfg, device, dtype, rank, comm, timeout, tokenizer, backend, data, parts)
 
 
-def _build_data(cfg: RunConfig, rank: int, comm: Comm,
-                tokenizer: Tokenizer) -> tuple[Optional[BatchBuilder], ...]:
+def _build_data(cfg: RunConfig, rank: int, comm: Comm, tokenizer: Tokenizer
+                ) -> tuple[Union[BatchBuilder, WorkerBatches], Optional[BatchBuilder],
+                           Optional[BatchBuilder]]:
     """Rank 0 builds (and caches) the sample indices first; the others then load them."""
     if rank == 0:
         try:
@@ -175,12 +177,15 @@ def _build_data(cfg: RunConfig, rank: int, comm: Comm,
     positions = None if d.seq_degree == 1 else local_positions(
         cfg.model.seq_length, d.cp, comm.rank(CP), d.sp, comm.rank(SP))
 
-    def builder(ds) -> Optional[BatchBuilder]:
-        return ds and BatchBuilder(
-            ds, t.micro_batch_size, t.global_batch_size, dp_rank=comm.rank(DP), dp_size=d.dp,
+    gbs = filled(t.global_batch_size, "--global-batch-size")
+
+    def builder(ds) -> Optional[BatchBuilder]:  # None: an empty split
+        return None if ds is None else BatchBuilder(
+            ds, t.micro_batch_size, gbs, dp_rank=comm.rank(DP), dp_size=d.dp,
             positions=positions, eod=tokenizer.eod, eod_mask_loss=data.eod_mask_loss,
             reset_position_ids=data.reset_position_ids,
             reset_attention_mask=data.reset_attention_mask,
             cyclic=data.dataloader_type == "cyclic", data_sharding=data.data_sharding)
     train, valid, test = (builder(ds) for ds in splits)
+    assert train is not None, "build_datasets always builds the train split"
     return with_workers(train, data.num_workers), valid, test

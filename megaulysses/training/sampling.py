@@ -27,6 +27,7 @@ def generate_text(run: Run) -> Optional[str]:
         state = full_state_dict(model, run.comm)
         if run.rank != 0:
             return None
+        assert state is not None, "rank 0 gathers the whole state"
         device = torch.device("cpu")
         core = select_backend("auto", device, run.dtype, mask_from_config(cfg.model))[1]
         model = build_model(cfg.model, core, t.seed, device)

@@ -46,16 +46,17 @@ class Saver:
     `protected`: the iteration the run loaded from here, which retention never removes."""
 
     def __init__(self, save_dir: str, rank: int, comm: Optional[Comm] = None,
-                 retention: Retention = Retention(), use_async: bool = False,
+                 retention: Optional[Retention] = None, use_async: bool = False,
                  async_group: Optional[torch.distributed.ProcessGroup] = None, size: int = 0,
                  fault: Optional[Fault] = None, contents: tuple = ("model", "optim", "rng")):
         self.save_dir, self.rank, self.comm = save_dir, rank, comm
         # what a checkpoint holds: the model, and unless --no-save-optim / --no-save-rng
         # the optimizer state and each rank's RNG states
         self.contents = tuple(contents)
-        self.retention, self.size = retention, size
+        self.retention, self.size = retention or Retention(), size  # default: keep all
         self.use_async, self.async_group = use_async, async_group
-        self.pending = None  # (future, tmp dir, final dir, meta) of a background save
+        # (future, tmp dir, final dir, meta) of a background save
+        self.pending: Optional[tuple[Any, str, str, dict]] = None
         self.failed: Optional[str] = None  # a background save's failure, not yet reported
         self.last_saved: Optional[int] = None
         self.protected: Optional[int] = None
@@ -195,6 +196,7 @@ class Saver:
             self._agree(failed)
 
     def _finish(self) -> None:
+        assert self.pending is not None, "called with a background save pending"
         future, tmp, final, meta = self.pending
         self.pending = None
         it = meta["iteration"]

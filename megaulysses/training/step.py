@@ -117,6 +117,7 @@ def train_step(model: torch.nn.Module, batches: list[dict], zero: Zero,
                     zero, scaler, clip_grad, comm, pipeline, loss_sum, check_nan, fault,
                     count_zeros=log_num_zeros, review=review)
         if outcome is None:
+            assert checks is not None, "only a review (`checks`) asks for a rerun"
             checks.restore_rng()
     norm, skipped, nonfinite, zeros = outcome
     empty_unused_memory(empty_cache_level, 2)

@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from megaulysses.config import Config, ConfigError, ModelConfig
+from megaulysses.config.fields import filled
 from megaulysses.data.hf_tokenizer import hf_tokenizer_files
 from megaulysses.model.gpt import GPT, parameter_count
 from megaulysses.parallel.comm import Comm
@@ -47,7 +48,7 @@ def output_dirs(cfg: Config) -> list[tuple[str, str]]:
     if cfg.log.metrics_jsonl:
         out.append(("--metrics-jsonl", os.path.dirname(os.path.abspath(cfg.log.metrics_jsonl))))
     if cfg.log.profile:  # validate() made sure there is a --tensorboard-dir
-        out.append(("--profile", trace_dir(cfg.log.tensorboard_dir)))
+        out.append(("--profile", trace_dir(filled(cfg.log.tensorboard_dir, "--tensorboard-dir"))))
     if cfg.log.wandb_project:  # resolve() filled in the default, <--save>/wandb
         out.append(("--wandb-save-dir", cfg.log.wandb_save_dir))
     return [(flag, path) for flag, path in out if path]
@@ -91,11 +92,13 @@ def tokenizer_files(cfg: Config) -> dict[str, str]:
     d = cfg.data
     if d.tokenizer_type == "NullTokenizer":
         return {}
-    if d.tokenizer_type == "GPT2BPETokenizer":
-        return {GPT2_VOCAB_FILE: d.vocab_file, GPT2_MERGES_FILE: d.merge_file}
+    if d.tokenizer_type == "GPT2BPETokenizer":  # the rules require both files with it
+        return {GPT2_VOCAB_FILE: filled(d.vocab_file, "--vocab-file"),
+                GPT2_MERGES_FILE: filled(d.merge_file, "--merge-file")}
+    model = filled(d.tokenizer_model, "--tokenizer-model")  # the bundled one by default
     if d.tokenizer_type == "HuggingFaceTokenizer":  # tokenizer.json and its configs, present
-        return hf_tokenizer_files(d.tokenizer_model)
-    return {TOKENIZER_FILE: d.tokenizer_model}
+        return hf_tokenizer_files(model)
+    return {TOKENIZER_FILE: model}
 
 
 def checkpoint_bytes(m: ModelConfig, tokenizer: Union[str, Iterable[str], None] = None,
@@ -159,17 +162,19 @@ class Retention:
 
 def is_no_space(e: BaseException) -> bool:
     """An ENOSPC (or EDQUOT) anywhere in the exception's chain."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    cur: Optional[BaseException] = e
+    while cur is not None:
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        e = e.__cause__ or e.__context__
+        cur = cur.__cause__ or cur.__context__
     return False
 
 
 def failure_reason(e: BaseException, directory: str, need: int) -> str:
     """A failed write in words: the OS error where there is one; torch's writers report a
     full disk as a short write ("unexpected pos"), so little space left says it too."""
-    chain, cur = [], e
+    chain: list[BaseException] = []
+    cur: Optional[BaseException] = e
     while cur is not None and len(chain) < 10:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__

@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from megaulysses.config import Config, RunConfig, TrainingError
+from megaulysses.config.fields import filled
 from megaulysses.config.schedule import global_batch_at
 from megaulysses.data.loader import BatchBuilder
 from megaulysses.training import checkpoint as ckpt
@@ -52,13 +53,16 @@ class Trainer:
                      "scaling, as in Megatron-LM: an overflow lowers the scale and skips the "
                      "step")
         self.converted_from: Optional[dict] = None  # set by _load from an imported model
-        self.saver = self._build_saver() if t.save else None
+        self.saver = self._build_saver(t.save) if t.save else None
         log_startup(self.run)
         if t.load:
             self._load(t.load)
 
     # The run's parts, by name (read-only: build_run made them).
-    cfg: RunConfig = property(lambda self: self.run.cfg)
+    @property
+    def cfg(self) -> RunConfig:
+        return self.run.cfg
+
     dims = property(lambda self: self.run.cfg.dims)
     device = property(lambda self: self.run.device)
     dtype = property(lambda self: self.run.dtype)
@@ -75,18 +79,18 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _build_saver(self) -> Saver:
+    def _build_saver(self, save_dir: str) -> Saver:
         t = self.cfg.train
         group = self.comm.new_checkpoint_group(self.run.timeout) if t.async_save else None
         size = checkpoint_bytes(self.cfg.model, tokenizer_files(self.cfg).values(),
                                 self.dims.world, optim=not t.no_save_optim)
         retention = Retention(t.keep_last, t.save_retain_interval)
-        log.info("checkpoints: %s each in %s (%s free)%s", mib(size), t.save,
-                 mib(free_bytes(t.save)), f"; retention {retention.flags()}"
+        log.info("checkpoints: %s each in %s (%s free)%s", mib(size), save_dir,
+                 mib(free_bytes(save_dir)), f"; retention {retention.flags()}"
                  if retention.active else "; all kept (--keep-last, --save-retain-interval)")
         contents = ("model",) + (() if t.no_save_optim else ("optim",)) + (
             () if t.no_save_rng else ("rng",))
-        return Saver(t.save, self.rank, self.comm, retention, t.async_save, group, size,
+        return Saver(save_dir, self.rank, self.comm, retention, t.async_save, group, size,
                      self.fault, contents)
 
     def _load(self, load_dir: str) -> None:
@@ -111,7 +115,7 @@ class Trainer:
         # special ids) goes on in every checkpoint trained from it, for the export back.
         self.converted_from = meta.get("converted_from")
         if self.saver is not None and os.path.dirname(os.path.abspath(path)) == \
-                os.path.abspath(t.save):
+                os.path.abspath(self.saver.save_dir):
             self.saver.protected = self.state.iteration  # retention keeps what we resumed
         if self.state.loss_scaler and isinstance(self.scaler, LossScaler):
             self.scaler.load_state_dict(self.state.loss_scaler)
@@ -119,15 +123,17 @@ class Trainer:
                           "the new value applies from here on")
         ckpt.warn_changed(path, "data", meta, ckpt.data_meta(cfg),
                           "the samples from here on differ from the saved run's")
-        if self.state.iteration >= t.train_iters:
+        iters = filled(t.train_iters, "--train-iters")
+        if self.state.iteration >= iters:
             log.warning("%s is at iteration %d, not before --train-iters %d: nothing to train",
-                        path, self.state.iteration, t.train_iters)
+                        path, self.state.iteration, iters)
 
     def save(self) -> None:
         self.state.loss_scaler = self.scaler.state_dict()
         meta = ckpt.run_meta(self.cfg, self.tokenizer.vocab_size, self.run.parts.zero_stage)
         if self.converted_from:
             meta["converted_from"] = self.converted_from
+        assert self.saver is not None, "saves are made only with --save"
         self.saver.save(self.model, self.optimizer, self.state, meta, tokenizer_files(self.cfg))
 
     # -- the loop ---------------------------------------------------------------------------
@@ -137,7 +143,8 @@ class Trainer:
         --exit-duration-in-mins stops every rank after the same step (then it saves)."""
         cfg, t = self.cfg, self.cfg.train
         writer = MetricsWriter.for_run(cfg, self.rank, resumed_at=self.state.iteration or None)
-        stop = StopConditions(t.exit_signal_handler, t.exit_duration_in_mins, self.started)
+        stop = StopConditions(filled(t.exit_signal_handler, "--exit-signal-handler"),
+                              t.exit_duration_in_mins, self.started)
         resumed = self.state.iteration
         try:
             last_eval, stopped = self._loop(writer, stop)
@@ -146,8 +153,8 @@ class Trainer:
         except TrainingError as e:
             if isinstance(e, ResultRejected) and e.checkpoint:
                 self._save_for_rerun()
-            if t.save:  # every rank stops at the same step: a save in flight completes
-                self.saver.wait()
+            if self.saver is not None:  # every rank stops at the same step: a save in
+                self.saver.wait()  # flight completes
             writer.close()
             raise
         finally:
@@ -164,45 +171,47 @@ class Trainer:
         """A non-finite result the rerun reproduced: the last completed iteration is saved
         (the step was not taken; RNG states as before it) so that the job can resume and
         run the step again elsewhere, as Megatron-LM does before its exit 16."""
-        t = self.cfg.train
         self.checks.restore_rng()
         self.zero.zero_grad()
         self.run.parts.zero.settle()
-        if not t.save:
+        if self.saver is None:
             log.warning("no --save: no checkpoint of iteration %d to resume from",
                         self.state.iteration)
         elif self.saver.last_saved != self.state.iteration:
             self.save()
 
     def _save_at_end(self, resumed: int, stopped: Optional[str]) -> None:
-        t, it = self.cfg.train, self.state.iteration
-        if not t.save:
+        it, saver = self.state.iteration, self.saver
+        if saver is None:  # no --save
             return
-        if it > resumed and self.saver.last_saved != it:
+        if it > resumed and saver.last_saved != it:
             self.save()
-        self.saver.wait()  # a background save is committed before we go on
+        saver.wait()  # a background save is committed before we go on
         if stopped:
             mark_saved_on_stop(self.rank, it)
 
     def _loop(self, writer: MetricsWriter, stop: StopConditions) -> tuple:
         cfg, t = self.cfg, self.cfg.train
-        flops = flops_per_iteration(cfg.model, t.global_batch_size)
+        iters, gbs = filled(t.train_iters, "--train-iters"), filled(t.global_batch_size,
+                                                                      "--global-batch-size")
+        flops = flops_per_iteration(cfg.model, gbs)
         peak = peak_tflops(self.device, self.dtype, cfg.log.peak_tflops)
         log.info("peak %.1f TFLOP/s per device for MFU; %.2f TFLOP per iteration",
                  peak, flops / 1e12)
         window, scalars = Window(), IterationScalars(self.run)
         start_iter, t_start = self.state.iteration, time.perf_counter()
         last_eval = None
-        while self.state.iteration < t.train_iters:
-            r, seconds, logged = self._step(global_batch_at(t, self.state.consumed_train_samples))
-            window.add(r, seconds, self.batch * cfg.model.seq_length)
+        while self.state.iteration < iters:
+            batch = global_batch_at(t, self.state.consumed_train_samples)
+            r, seconds, logged = self._step(batch)
+            window.add(r, seconds, batch * cfg.model.seq_length)
             writer.scalars(scalars.after_step(self.state, r, seconds, logged, self.scaler))
             it = self.state.iteration
-            if it % cfg.log.log_interval == 0 or it == t.train_iters:
+            if it % cfg.log.log_interval == 0 or it == iters:
                 # a ramp-up's smaller batches take fewer FLOPs: the window's mean batch
                 mean = window.tokens / (window.steps * cfg.model.seq_length)
                 writer.write(iteration_record(self.run, self.state, window,
-                                              flops * mean / t.global_batch_size, peak,
+                                              flops * mean / gbs, peak,
                                               start_iter, t_start, self.scaler, logged))
                 window = Window()
             self._count_skips(r, it)  # after the log: the stopping iteration is logged
@@ -212,7 +221,7 @@ class Trainer:
                 log.info("%s: stopping after iteration %d%s", reason, it,
                          " (saving a checkpoint)" if t.save else " (no --save: nothing saved)")
                 return last_eval, reason
-            if t.exit_interval and it % t.exit_interval == 0 and it < t.train_iters:
+            if t.exit_interval and it % t.exit_interval == 0 and it < iters:
                 log.info("--exit-interval %d: stopping after iteration %d", t.exit_interval, it)
                 break
         return last_eval, None
@@ -232,9 +241,11 @@ class Trainer:
                   **self.schedule.logged(self.state.iteration, consumed, batch)}
         t0 = time.perf_counter()
         batches = self.train_data.micro_batches(consumed, batch)
-        fault = self.fault and self.fault.hook(self.rank, self.state.iteration + 1)
-        if fault and not self.fault.onwards:  # a transient fault: not met again by a rerun
-            fault = first_call_only(fault)
+        fault = None
+        if self.fault is not None:
+            fault = self.fault.hook(self.rank, self.state.iteration + 1)
+            if fault and not self.fault.onwards:  # a transient fault: not met again by a rerun
+                fault = first_call_only(fault)
         with self.profiler.step(self.state.iteration):
             r = train_step(self.model, batches, self.zero, self.scaler, t.clip_grad,
                            self.device, self.dtype, self.comm, self.pipeline,
@@ -256,8 +267,8 @@ class Trainer:
         done = it // t.eval_interval if t.eval_interval else 0  # evaluations due so far
         if t.eval_iters and self.valid_data and (
                 (t.eval_interval and it % t.eval_interval == 0) or it == t.train_iters):
-            last_eval = self._eval(writer, "valid", self.valid_data,
-                                   done * t.eval_iters * t.global_batch_size)
+            gbs = filled(t.global_batch_size, "--global-batch-size")
+            last_eval = self._eval(writer, "valid", self.valid_data, done * t.eval_iters * gbs)
         if t.save and t.save_interval and it % t.save_interval == 0:
             self.save()
         return last_eval

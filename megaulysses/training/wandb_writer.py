@@ -19,10 +19,11 @@ import dataclasses
 import logging
 import netrc
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
 from megaulysses.config import RunConfig
+from megaulysses.config.fields import filled
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,13 @@ def open_wandb(cfg: RunConfig) -> Optional[WandbWriter]:
     import wandb  # optional: imported only for a run that asks for it
     mode, why = wandb_mode()
     effective = mode or os.environ["WANDB_MODE"]
-    os.makedirs(lg.wandb_save_dir, exist_ok=True)
+    save_dir = filled(lg.wandb_save_dir, "--wandb-save-dir")  # resolve(): <--save>/wandb
+    os.makedirs(save_dir, exist_ok=True)
     # console="off": our log lines stay ours (wandb would wrap stdout to copy them);
     # silent: the line below says what wandb's own banner would
     # entity: --wandb-entity, or None ('' is Megatron-LM's default): the key's default one
     run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None,
-                     name=lg.wandb_exp_name, dir=lg.wandb_save_dir,
+                     name=lg.wandb_exp_name, dir=save_dir,
                      config=dataclasses.asdict(cfg), mode=mode,
                      settings=wandb.Settings(console="off", silent=True))
     log.info("wandb: run %r of project %r%s, %s (%s), files in %s%s", lg.wandb_exp_name,
@@ -63,7 +65,7 @@ def open_wandb(cfg: RunConfig) -> Optional[WandbWriter]:
     return WandbWriter(run)
 
 
-def wandb_mode() -> tuple[Optional[str], str]:
+def wandb_mode() -> tuple[Optional[Literal["online", "offline"]], str]:
     """(the mode to ask wandb.init for, None to leave WANDB_MODE's; the reason)."""
     if os.environ.get("WANDB_MODE"):
         return None, "WANDB_MODE"
@@ -77,6 +79,8 @@ def wandb_mode() -> tuple[Optional[str], str]:
 def _netrc_has_key() -> bool:
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    if host is None:  # WANDB_BASE_URL without a scheme: no host to look up
+        return False
     try:
         return netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):

@@ -57,8 +57,9 @@ def _against_math(core, mask, dtype, atol, rtol):
     want = math_attention(q, k, v, 0.0, m)
     want_grads = torch.autograd.grad(want, (q, k, v), dout)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-    for name, g, w in zip("qkv", got_grads, want_grads):
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda e: f"d{name}: {e}")
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol,
+                                   msg=lambda e, name=name: f"d{name}: {e}")
 
 
 @pytest.fixture
@@ -239,7 +240,9 @@ def _env(**extra) -> dict:
 def test_gpu_listed_but_not_seen_by_torch_fails_with_python3_only(tmp_path):
     """nvidia-smi lists a GPU, this CPU build of torch sees none: exit 3 at once, nothing
     run. PATH has python3 but no python: the script takes python3."""
-    fake = _bin(tmp_path, python3=sys.executable,
+    # a wrapper, not a link: a link to a virtualenv's python leaves the virtualenv (python
+    # finds its pyvenv.cfg beside the path it was started by) and loses its packages
+    fake = _bin(tmp_path, python3=f'exec "{sys.executable}" "$@"\n',
                 **{"nvidia-smi": 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n'})
     r = _run(["bash", SHELL, str(tmp_path / "dc")], timeout=120,
              env=_env(PATH=f"{fake}:/usr/bin:/bin"))
@@ -327,7 +330,7 @@ def test_fpdt_offload_on_cuda_keeps_pinned_host_chunks_and_changes_nothing(dtype
     bit for bit, everything kept in pinned host memory, and math attention's results."""
     plain, _ = _fpdt_on("cuda", dtype, False)
     off, kept = _fpdt_on("cuda", dtype, True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, off))
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
     assert all(t.device.type == "cpu" and t.is_pinned() for t in kept)
     g = torch.Generator(device="cuda").manual_seed(0)
     ref_in = [torch.randn(2, 256, h, 64, device="cuda", generator=g).to(dtype).float()
@@ -337,6 +340,6 @@ def test_fpdt_offload_on_cuda_keeps_pinned_host_chunks_and_changes_nothing(dtype
     want = [want_out] + list(torch.autograd.grad(want_out, x, ref_in[3]))
     # the other CUDA kernel checks' tolerances (not measured on a GPU: none was lent yet)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for got, w in zip(off, want):
+    for got, w in zip(off, want, strict=True):
         err = float((got.float() - w).abs().max() / w.abs().max())
         assert err <= tol, err

@@ -53,7 +53,7 @@ def test_tiny_run_prints_losses_table_and_ratios():
                          re.M), tp
     assert "speed: > 1 means faster than megatron-core" in text
     lines = text.strip().splitlines()
-    for line, tp in zip(lines[-2:], (1, 2)):
+    for line, tp in zip(lines[-2:], (1, 2), strict=True):
         assert re.fullmatch(rf"ratio ours/megatron-core \(tp{tp}\): min \d+\.\d\d median "
                             r"\d+\.\d\d", line), line
 

@@ -9,6 +9,7 @@ refused naming the flag. Nothing is downloaded."""
 import contextlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -81,7 +82,7 @@ def gpt2_encode(text: str, vocab: dict, merges: list) -> list[int]:
     for piece in regex.findall(GPT2_SPLIT, text):
         word = [char[b] for b in piece.encode("utf-8")]
         while len(word) > 1:
-            best = min(zip(word, word[1:]), key=lambda pair: rank.get(pair, math.inf))
+            best = min(itertools.pairwise(word), key=lambda pair: rank.get(pair, math.inf))
             if best not in rank:
                 break
             merged, i = [], 0
@@ -250,7 +251,7 @@ def bad_vocab(vocab: dict) -> list:
     return [("not-json", "{oops", "is not a GPT-2 vocab.json"),
             ("a-list", json.dumps(list(vocab)), "a JSON object of token -> integer id"),
             ("ids-past-count", json.dumps(shifted), "the ids must be 0..499, each once"),
-            ("byte-missing", json.dumps(dict(zip(holes, range(len(holes))))),
+            ("byte-missing", json.dumps(dict(zip(holes, range(len(holes)), strict=True))),
              "1 of the 256 byte symbols are missing"),
             ("no-endoftext", json.dumps(no_eod), f"has no {GPT2_EOD} token")]
 

@@ -134,7 +134,7 @@ def test_blending_proportions_and_determinism(tmp_path):
     weights = [0.5, 0.3, 0.2]
     n = 10_000
     members = [GPTDataset(p, np.arange(len(p)), int(np.ceil(w * n * 1.005)) + 1, SEQ, 1, None,
-                          f"m{k}") for k, (p, w) in enumerate(zip(parts, weights))]
+                          f"m{k}") for k, (p, w) in enumerate(zip(parts, weights, strict=True))]
     blend = BlendedDataset(members, [5, 3, 2], n, 1, str(tmp_path / "cache"), "train")
     counts = np.bincount(blend.dataset_index, minlength=3) / n
     assert np.all(np.abs(counts - weights) < 0.01)

@@ -1,4 +1,4 @@
-"""The README's "Extend a model's context" walk-through, run as written: a tiny model saved
+"""docs/guides/checkpoints.md's "Extend a model's context" walk-through, run as written: a tiny model saved
 by transformers -> from-hf -> 4x the context with Ulysses x ring and a raised RoPE base on
 4 processes -> to-hf -> transformers loads it and generates. Then the at-scale recipe's
 flags for Llama-3.1-8B at 128K pass the trainer's checks for 8 ranks (--dry-run)."""
@@ -15,7 +15,7 @@ SECTION = "## Extend a model's context"
 
 
 def readme_blocks() -> list[str]:
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "docs", "guides", "checkpoints.md")) as f:
         text = f.read()
     section = text[text.index(SECTION):]
     section = section[:section.index("\n## ", len(SECTION))]

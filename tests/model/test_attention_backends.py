@@ -105,7 +105,7 @@ def test_flex_block_mask_equals_torch_create_block_mask(name, s):
                             allowed.shape[0] if per_sample else None, None, s, s, device="cpu")
     got = flex_block_mask(mask, s, "cpu")
     assert got.seq_lengths == (s, s)
-    for ours, theirs in zip(_tiles(got), _tiles(ref)):
+    for ours, theirs in zip(_tiles(got), _tiles(ref), strict=True):
         assert torch.equal(ours, theirs)
 
 
@@ -160,7 +160,6 @@ def test_flex_block_mask_built_once_per_batch(monkeypatch, recompute):
     Flex has no backward on CPU: its compiled kernel is replaced by SDPA here (the values
     do not matter, only how often the block mask is built)."""
     import torch.nn.functional as F
-    from megaulysses.config import ModelConfig
     from megaulysses.model.attention import kernels
     from megaulysses.model.gpt import build_model
     from megaulysses.parallel.recompute import apply_recompute

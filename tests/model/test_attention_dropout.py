@@ -104,7 +104,7 @@ def test_block_kernel_equals_math_with_dropout(mask, hq, hkv):
     drop = AttentionDropout(0.2, key=2024)
     want = _run(math_attention, q, k, v, dy, drop, _masks()[mask])
     got = _run(block_attention, q, k, v, dy, drop, _masks()[mask])
-    assert max(_rel(a, b) for a, b in zip(got, want)) < FP32_TOL
+    assert max(_rel(a, b) for a, b in zip(got, want, strict=True)) < FP32_TOL
     assert _rel(want[0], math_attention(q, k, v, 0.0, _masks()[mask])) > 0.05  # it dropped
 
 
@@ -130,7 +130,7 @@ def test_head_groups_equal_the_ungrouped_layer():
     for core in (block_attention, HeadGroups(block_attention, 2)):
         torch.manual_seed(9)
         results.append(_run(core, q, k, v, dy, 0.2))
-    assert max(_rel(a, b) for a, b in zip(*results)) < FP32_TOL
+    assert max(_rel(a, b) for a, b in zip(*results, strict=True)) < FP32_TOL
 
 
 def _grads(recompute, seed=5, hidden_dropout=0.1):
@@ -199,7 +199,7 @@ def test_cuda_draws_the_cpu_masks():
                    _masks()["window"])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < FP32_TOL
+    assert max(_rel(a.cpu(), b) for a, b in zip(got, want, strict=True)) < FP32_TOL
     qc, kc, vc = (t.cuda() for t in _inputs(4, 4)[:3])
     state = torch.cuda.get_rng_state()
     first = sdpa_attention(qc, kc, vc, drop)

@@ -77,7 +77,7 @@ def test_matches_math_attention(name, heads):
     q, k, v, dout = qkv(2, s, *heads, d=16)
     got = grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
     want = grads(lambda *t: math_attention(*t, mask=mask), q, k, v, dout)
-    for g, w, what in zip(got, want, ("out", "dq", "dk", "dv")):
+    for g, w, what in zip(got, want, ("out", "dq", "dk", "dv"), strict=True):
         assert g.dtype == w.dtype, what
         assert torch.isfinite(g).all(), what
         assert_close(g, w)
@@ -90,9 +90,9 @@ def test_block_sizes_smaller_than_default():
         assert attention_block_size(s, layout_block=layout and layout.block) == block
         mask = AttentionMask(window=10, layout=layout)
         q, k, v, dout = qkv(1, s, 2, 1, d=8)
-        got = grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
-        want = grads(lambda *t: math_attention(*t, mask=mask), q, k, v, dout)
-        for g, w in zip(got, want):
+        got = grads(lambda *t, mask=mask: masked_block_attention(*t, mask), q, k, v, dout)
+        want = grads(lambda *t, mask=mask: math_attention(*t, mask=mask), q, k, v, dout)
+        for g, w in zip(got, want, strict=True):
             assert_close(g, w)
 
 
@@ -111,7 +111,7 @@ def test_bf16():
     got = grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
     want = grads(lambda *t: math_attention(*t, mask=mask), q.float(), k.float(), v.float(),
                  dout.float())
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         assert_close(g, w, BF16_TOL)
 
@@ -239,7 +239,7 @@ def test_skipped_blocks_are_not_computed(monkeypatch):
     assert sum(scored) == 2 * pairs * block  # forward and backward
     assert max(scored) == 2 * block
     want = grads(lambda *t: math_attention(*t, mask=mask), q, k, v, dout)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_close(g, w)
 
 
@@ -289,7 +289,7 @@ def test_fused_step_matches_explicit_attention(step, heads):
     out, lse = kernel.forward(q, k, v, causal, 16 ** -0.5)
     got = (out, lse, *kernel.backward(dout, q, k, v, out, lse, causal, 16 ** -0.5))
     want = explicit_step(q, k, v, causal, dout)
-    for g, w, what in zip(got, want, ("out", "lse", "dq", "dk", "dv")):
+    for g, w, what in zip(got, want, ("out", "lse", "dq", "dk", "dv"), strict=True):
         assert g.shape == w.shape and g.dtype == torch.float32, what
         assert_close(g, w)
 
@@ -301,7 +301,7 @@ def test_fused_step_bf16():
     got = (out, lse, *kernel.backward(dout, q, k, v, out, lse, True, 0.25))
     want = explicit_step(q, k, v, True, dout)
     assert lse.dtype == torch.float32
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_close(g, w, BF16_TOL)
 
 
@@ -322,20 +322,20 @@ def test_fused_ring_decomposition(ranks, causal, dtype):
     for c, qi in enumerate(held):
         steps = [fused_step(causal, c, src, s // (2 * ranks)) for src in range(ranks)]
         out, lse = torch.zeros(q[:, qi].shape), torch.full((2, 4, len(qi)), float("-inf"))
-        for (rows, keys, square), kj in zip(steps, held):
+        for (rows, keys, square), kj in zip(steps, held, strict=True):
             o, l = kernel.forward(q[:, qi][:, rows], k[:, kj][:, keys], v[:, kj][:, keys],
                                   square, 8 ** -0.5)
             lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o.float(), l)[1]
         assert_close(out, want[0][:, qi], BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
         out = out.to(dtype)
-        for (rows, keys, square), kj in zip(steps, held):
+        for (rows, keys, square), kj in zip(steps, held, strict=True):
             shares = kernel.backward(dout[:, qi][:, rows], q[:, qi][:, rows],
                                      k[:, kj][:, keys], v[:, kj][:, keys], out[:, rows],
                                      lse[:, :, rows], square, 8 ** -0.5)
             dq[:, qi[rows]] += shares[0]
             dk[:, kj[keys]] += shares[1]  # back to the rank holding these keys
             dv[:, kj[keys]] += shares[2]
-    for g, w in zip((dq, dk, dv), want[1:]):
+    for g, w in zip((dq, dk, dv), want[1:], strict=True):
         assert_close(g, w, BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
 
 
@@ -346,7 +346,7 @@ def test_plain_masks_take_the_fused_kernel_others_the_blocks():
     for mask, fused in ((AttentionMask(), 1), (AttentionMask(causal=False), 1),
                         (AttentionMask(window=16), 0)):
         fused_attention.CALLS.clear()
-        grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
+        grads(lambda *t, mask=mask: masked_block_attention(*t, mask), q, k, v, dout)
         name = fused_kernel(q).name
         assert fused_attention.CALLS[(name, "forward")] == fused, mask
         assert fused_attention.CALLS[(name, "backward")] == fused, mask
@@ -355,7 +355,7 @@ def test_plain_masks_take_the_fused_kernel_others_the_blocks():
     got = grads(lambda *t: masked_block_attention(*t, AttentionMask()),
                 *(t.double() for t in (q, k, v, dout)))
     want = grads(lambda *t: math_attention(*t), q, k, v, dout)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert_close(g, w)
 
 
@@ -363,7 +363,7 @@ def test_the_fused_path_makes_no_host_sync():
     q, k, v, dout = qkv(1, 128, 2, 1, d=8)
     for mask, fused in ((AttentionMask(), True), (AttentionMask(window=16), False)):
         with host_syncs() as syncs:
-            grads(lambda *t: masked_block_attention(*t, mask), q, k, v, dout)
+            grads(lambda *t, mask=mask: masked_block_attention(*t, mask), q, k, v, dout)
         assert (syncs.n == 0) == fused, (mask, syncs.n)  # the blocks' plan reads the mask
 
 
@@ -422,7 +422,7 @@ def _fa_backward_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, soft
     assert softmax_lse.is_contiguous() and window_size_left == -1
     grads = _CPU_BWD(*(x.transpose(1, 2) for x in (dout, q, k, v, out)), softmax_lse,
                      dropout_p, causal, scale=softmax_scale)
-    for into, g in zip((dq, dk, dv), grads):
+    for into, g in zip((dq, dk, dv), grads, strict=True):
         into.copy_(g.transpose(1, 2))
 
 
@@ -466,6 +466,6 @@ def test_cuda_kernels_plumbing_on_cpu_fakes(name, monkeypatch):
         out, lse = kernel.forward(*args, 8 ** -0.5)
         got = (out, lse, *kernel.backward(dout[:, rows], *args[:3], out, lse, causal,
                                           8 ** -0.5))
-        for g, w in zip(got, explicit_step(*args, dout[:, rows])):
+        for g, w in zip(got, explicit_step(*args, dout[:, rows]), strict=True):
             assert g.shape == w.shape
             assert_close(g, w)

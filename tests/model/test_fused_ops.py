@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megaulysses.config import ModelConfig
 from megaulysses.model.attention import (CPU_BLOCK_MAX_SEQ, cpu_attention, math_attention,
                                          sdpa_attention, select_backend)
 from megaulysses.model.attention.block_causal import block_causal_attention
@@ -48,7 +47,7 @@ def test_linear_matches_f_linear(bias):
     got = grads(lambda *t: onednn.linear(*t), ins, g)
     ref = grads(lambda *t: F.linear(*t), ins, g)
     assert got[0].shape == (3, 10, 80)
-    for a, r in zip(got, ref):
+    for a, r in zip(got, ref, strict=True):
         assert_close(a, r)
 
 
@@ -97,7 +96,7 @@ def test_linear_cross_entropy_matches_plain(monkeypatch, rows):
     ref = grads(lambda a, b: plain_linear_ce(a, b, labels), (x, w), g)
     assert got[0].dtype == torch.float32 and got[0].shape == (3, 20)
     assert got[0][1, 4] == 0 and got[1][1, 4].abs().max() == 0
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert_close(a, b)
 
 
@@ -126,7 +125,7 @@ def test_linear_cross_entropy_autocast(monkeypatch, dtype, rows):
         got = grads(lambda a, b: cross_entropy.linear_cross_entropy(a, b, labels), (x, w), g)
         ref = grads(lambda a, b: plain_linear_ce(a, b, labels), (x, w), g)
     assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.float32
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert_close(a, b, BF16_TOL)
 
 
@@ -214,7 +213,7 @@ def test_block_causal_attention_matches_math(hq, hkv, s, block):
     g = torch.randn(b, s, hq, d)
     got = grads(lambda *t: block_causal_attention(*t, block=block), (q, k, v), g)
     ref = grads(math_attention, (q, k, v), g)
-    for a, r in zip(got, ref):
+    for a, r in zip(got, ref, strict=True):
         assert_close(a, r)
 
 
@@ -266,7 +265,7 @@ def test_gpt_fused_loss_matches_plain_model(monkeypatch, tied):
                           reduction="none").view(2, 32)
     ref.mean().backward()
     assert_close(got, ref)
-    for (name, p), q in zip(fast.named_parameters(), plain.parameters()):
+    for (name, p), q in zip(fast.named_parameters(), plain.parameters(), strict=True):
         assert p.grad is not None, name
         assert_close(p.grad, q.grad)
 
@@ -282,7 +281,7 @@ def test_rms_norm_matches_plain(shape):
     got = grads(lambda a, b: norms.rms_norm(a, b, 1e-5), (x, w), g)
     ref = grads(lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * b,
                 (x, w), g)
-    for a, r in zip(got, ref):
+    for a, r in zip(got, ref, strict=True):
         assert_close(a, r)
     norm = build_norm("RMSNorm", shape[-1], 1e-5)  # the model's module: same parameter
     assert [n for n, _ in norm.named_parameters()] == ["weight"]

@@ -34,7 +34,7 @@ def test_init_is_a_function_of_seed_name_and_shape_only():
     a = build_model(llama(num_layers=2), sdpa_attention, seed=7)
     b = build_model(llama(num_layers=2), sdpa_attention, seed=7)
     c = build_model(llama(num_layers=2), sdpa_attention, seed=8)
-    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(p, q), name
         if p.ndim == 2:
             assert not torch.equal(p, r), name
@@ -46,7 +46,7 @@ def test_init_is_a_function_of_seed_name_and_shape_only():
     # Materialized directly (no meta device) and initialized: identical too.
     direct = GPT(llama(num_layers=2))
     direct.init_weights(7)
-    for p, q in zip(a.parameters(), direct.parameters()):
+    for p, q in zip(a.parameters(), direct.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -89,7 +89,7 @@ def test_attention_cores_match_reference(core, hq, hkv):
     close(out, ref)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(ref, (q, k, v), grad)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         close(a, b)
 
 
@@ -162,7 +162,7 @@ def test_math_and_sdpa_models_agree_forward_and_backward(make):
     # Some gradients are ~0 by symmetry (e.g. a bias before a norm): compare each against
     # the scale of the largest gradient, not its own.
     scale = max(p.grad.abs().max().item() for p in b.parameters())
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 

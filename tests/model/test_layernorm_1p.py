@@ -47,7 +47,7 @@ def test_zero_centered_norm_is_the_plain_norm_with_weight_plus_1(kind):
         outs.append(y)
         grads.append([xi.grad] + [p.grad for p in norm.parameters()])
     assert torch.equal(outs[0], outs[1])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 
 

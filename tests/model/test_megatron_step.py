@@ -294,7 +294,7 @@ def test_optimizer_steps_equal_megatron_cores(results, style):
     rel = {n: float((p.detach() - after[n]).norm() / (after[n] - before.state[n]).norm())
            for n, p in model.named_parameters() if not n.endswith(ZERO_GRADIENT)}
     worst = max(rel, key=rel.get)
-    loss_diff = max(abs(a - b) for a, b in zip(ours, theirs))
+    loss_diff = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
     print(f"TABLE optimizer {style} fp32, {STEPS} steps: loss {loss_diff:.2e}, update "
           f"{rel[worst]:.2e} relative ({worst})")
     assert theirs[0] == theirs[1]  # Megatron-LM's first warmup step, at lr 0, updates nothing

@@ -12,7 +12,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megaulysses.config import ModelConfig
 from megaulysses.model.attention import sdpa_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.model.tiling import TiledMLP, apply_tiled_mlp

@@ -37,7 +37,7 @@ def _grads(comm, layer, ins, dy, mask=None):
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _inputs(comm, hq, hkv, dtype, seed):

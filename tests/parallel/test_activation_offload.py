@@ -10,7 +10,6 @@ and Ulysses x Ring (sp2 x cp2) x dp2 at ZeRO-3 with groups of 2 layers: every it
 loss and eval loss equal bit for bit with and without offload.
 """
 
-import pytest
 import torch
 
 from dist import run_ranks

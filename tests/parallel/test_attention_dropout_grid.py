@@ -84,7 +84,7 @@ def grid_vs_reference(rank, world):
             torch.manual_seed(11)  # the same draw: the same key
             y = core(*local, P_DROP, mask)
             grads = torch.autograd.grad(y, local, dy[:, mine])
-            errs = [_rel(a, b[:, mine]) for a, b in zip([y] + list(grads), refs)]
+            errs = [_rel(a, b[:, mine]) for a, b in zip([y] + list(grads), refs, strict=True)]
             # and not the undropped result: the dropout ran
             torch.manual_seed(11)
             plain = math_attention(*[t.detach() for t in full], 0.0, mask)

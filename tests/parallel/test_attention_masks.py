@@ -97,7 +97,8 @@ def runs(tmp_path_factory):
         ref[mask] = read_jsonl(path)
     cases = [args_for(tmp, mask, grid, flags) for mask, grid, flags in CASES]
     run_ranks(train_all, 8, [args for _, args in cases], timeout=900)
-    got = {(mask, grid): read_jsonl(path) for (mask, grid, _), (path, _) in zip(CASES, cases)}
+    got = {(mask, grid): read_jsonl(path)
+           for (mask, grid, _), (path, _) in zip(CASES, cases, strict=True)}
     # The checkpoint saved at sp2 x cp2 loads in one process and goes on like it.
     path, args = args_for(tmp, "documents", "resumed", ["--attention-backend", "math",
                                                         "--load", str(tmp / "ck" / "iter_0000001")])

@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
     names = [(o, b) for o in OPTIMIZERS for b in BUCKETS]
     jobs = [base + OPTIMIZERS[o] + BUCKETS[b] + ["--metrics-jsonl", str(tmp / f"{o}-{b}.jsonl")]
             for o, b in names]
-    counts = dict(zip(names, run_ranks(train_all, 2, jobs)[0]))
+    counts = dict(zip(names, run_ranks(train_all, 2, jobs)[0], strict=True))
     steps = {(o, b): [(r["loss"], r["grad_norm"]) for r in read_jsonl(tmp / f"{o}-{b}.jsonl")
                       if "grad_norm" in r] for o, b in names}
     return steps, counts

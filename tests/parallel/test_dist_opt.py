@@ -122,7 +122,7 @@ def test_equals_zero1(runs, name):
     do, z1 = steps(runs / f"{name}-do.jsonl"), steps(runs / f"{name}-z1.jsonl")
     assert len(do) == len(z1) == 2
     exact = GRIDS[name][1]
-    for (loss, norm), (loss1, norm1) in zip(do, z1):
+    for (loss, norm), (loss1, norm1) in zip(do, z1, strict=True):
         if exact:
             assert loss == loss1
             assert norm == pytest.approx(norm1, rel=1e-9)

@@ -76,7 +76,7 @@ def train_runs(rank, world, runs) -> list:
         trainer = Trainer(parse_args(args))
         seen = set()
         for block in trainer.model.layers.values():
-            block.register_forward_hook(lambda m, i, y: seen.add(str(y.dtype)))
+            block.register_forward_hook(lambda m, i, y, seen=seen: seen.add(str(y.dtype)))
         trainer.train()
         out.append(sorted(seen))
     return out
@@ -105,7 +105,7 @@ def matrix(tmp_path_factory):
                     names[keys[-1]] = f"{dtype}-{grid}-zero{stage}"
                     runs.append(base_args(tmp, dtype) + flags + ["--zero-stage", str(stage)]
                                 + metrics(tmp, names[keys[-1]]))
-        streams.update(zip(keys, run_ranks(train_runs, world, runs, timeout=900)[0]))
+        streams.update(zip(keys, run_ranks(train_runs, world, runs, timeout=900)[0], strict=True))
     return {key: (read_jsonl(tmp / f"{name}.jsonl"), streams[key])
             for key, name in names.items()}
 

@@ -99,9 +99,9 @@ def chunked_vs_reference(rank, world):
         kept_bytes = B * n * (2 * hq + 2 * kv_held) * D * e + B * hq * n * 4  # q k v out, lse
         results.append(dict(
             case=(name, hq, hkv, chunks, str(dtype)),
-            err=max(_rel(a, b) for a, b in zip(off, refs)),
+            err=max(_rel(a, b) for a, b in zip(off, refs, strict=True)),
             tol=FP32_TOL if dtype == torch.float32 else BF16_TOL,
-            identical=all(torch.equal(a, b) for a, b in zip(plain, off)),
+            identical=all(torch.equal(a, b) for a, b in zip(plain, off, strict=True)),
             dtypes=[str(t.dtype) for t in off],
             sent=sent, ulysses=2 * ulysses_bytes_per_layer(B, S, hq, hkv, D, world, e),
             plain_kept=plain_kept, off_kept=off_kept, kept_bytes=kept_bytes,

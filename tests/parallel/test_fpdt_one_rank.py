@@ -61,8 +61,9 @@ def test_core_on_one_rank_matches_math_attention():
             assert {is_host(t) for t in y.grad_fn.saved_tensors} == {offload}, n
             runs.append([y.detach()] + list(torch.autograd.grad(y, ins, dy)))
             assert handed == [] and comm.stats.pop() == {}, n
-        assert all(torch.equal(a, b) for a, b in zip(*runs)), n  # offload copies exactly
-        err = max(_rel(a, b) for a, b in zip(runs[1], refs))
+        # offload copies exactly
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), n
+        err = max(_rel(a, b) for a, b in zip(runs[1], refs, strict=True))
         assert err < CORE_TOL, (n, err)
 
 

@@ -66,7 +66,7 @@ def main_gradients(rank, world) -> dict:
                 opt.arm()
             with torch.autocast("cpu", torch.bfloat16):
                 if path == "fused-twice-recomputed":
-                    y = checkpoint(lambda a: torch.cat([layer(a[:TOKENS // 2]),
+                    y = checkpoint(lambda a, layer=layer: torch.cat([layer(a[:TOKENS // 2]),
                                                         layer(a[TOKENS // 2:])]),
                                    x, use_reentrant=False)
                 else:
@@ -165,7 +165,7 @@ def runs(tmp_path_factory):
     base = TINY + STEPS + ["--data-cache-path", str(tmp / "cache")]
     jobs = [base + flags + ["--metrics-jsonl", str(tmp / f"{name}.jsonl")]
             for name, flags in RUNS.items()]
-    dtypes = dict(zip(RUNS, run_ranks(train_all, 2, jobs)[0]))
+    dtypes = dict(zip(RUNS, run_ranks(train_all, 2, jobs)[0], strict=True))
     return {name: [(r["loss"], r["grad_norm"]) for r in read_jsonl(tmp / f"{name}.jsonl")
                    if "grad_norm" in r] for name in RUNS}, dtypes
 
@@ -176,7 +176,7 @@ def test_fused_training_matches_unfused(runs, dtype):
     fused, unfused = steps[f"{dtype}-fused"], steps[f"{dtype}-unfused"]
     assert len(fused) == 3
     assert fused != unfused  # the fusion ran: other roundings
-    for (loss, norm), (loss0, norm0) in zip(fused, unfused):
+    for (loss, norm), (loss0, norm0) in zip(fused, unfused, strict=True):
         assert loss == pytest.approx(loss0, rel=LOSS_RTOL)
         assert norm == pytest.approx(norm0, rel=GRAD_NORM_RTOL)
 

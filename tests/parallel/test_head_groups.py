@@ -95,7 +95,7 @@ def _compare(make, q, k, v, dy, groups: int) -> dict:
         with torch.no_grad():
             counted.calls = 0
             grouped(*ins, 0.0)
-        err = max([_rel(y, ref)] + [_rel(a, b) for a, b in zip(grads, ref_grads)])
+        err = max([_rel(y, ref)] + [_rel(a, b) for a, b in zip(grads, ref_grads, strict=True)])
         out[name] = (err, calls, counted.calls, handed == [])
     return out
 
@@ -216,7 +216,7 @@ def test_dropout_replays_in_the_groups_recomputation():
             results.append([y] + list(torch.autograd.grad(y, ins, dy)))
         finally:
             head_groups.checkpoint = saved
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
 

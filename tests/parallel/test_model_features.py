@@ -20,15 +20,20 @@ from dist import run_ranks
 from helpers import LLAMA, read_jsonl
 
 LOSS_RTOL = 1e-5
-# Parameters after 2 AdamW steps at lr 3e-3: an element whose gradient is near zero moves
-# by ~lr * m / sqrt(v), which fp32 summation order can tilt; measured up to 5.7e-5
-# (tp2-zero1, attn.v and attn.q) on an AMD EPYC of this workplace, 2.7e-5 elsewhere.
-PARAM_ATOL = 1e-4
+# Parameters after 2 AdamW steps at lr 3e-3. AdamW moves an element by lr * m / (sqrt(v) +
+# eps): where the gradient is near eps, the move is a step function of the gradient, and
+# the fp32 summation order of a split matmul (tp2) tilts it. At Megatron-LM's eps 1e-8
+# attn.v and attn.q of tp2-zero1 differed by up to 5.7e-5 here (and beyond 1e-4 on a
+# loaded machine of the same kind: issue 42); the comparison, not the code, was
+# ill-conditioned. At eps 1e-5 the update is smooth in the gradient: 8.9e-7 here.
+ADAM_EPS = "1e-5"
+PARAM_ATOL = 1e-5
 MODEL = LLAMA + [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "24",
     "--qk-layernorm", "--add-qkv-bias", "--seq-length", "32", "--micro-batch-size", "1",
     "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3", "--log-interval", "1",
+    "--adam-eps", ADAM_EPS,
     "--eval-iters", "0", "--generate", "0", "--seed", "5", "--peak-tflops", "1",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
 STYLES = {
@@ -85,7 +90,7 @@ def runs(tmp_path_factory):
     cases = [args_for(tmp, style, name, flags) for style, name, flags in GRIDS]
     params = run_ranks(train_all, 4, [args for _, args in cases], timeout=600)[0]
     got = {name: (read_jsonl(path), p)
-           for (_, name, _), (path, _), p in zip(GRIDS, cases, params)}
+           for (_, name, _), (path, _), p in zip(GRIDS, cases, params, strict=True)}
     return ref, got
 
 
@@ -96,7 +101,7 @@ def test_grid_equals_one_process(runs, style, name):
     (want, want_params), (have, have_params) = ref[style], got[name]
     steps = lambda records: [r for r in records if "loss" in r]  # noqa: E731
     assert [r["iteration"] for r in steps(have)] == [1, 2]
-    for a, b in zip(steps(have), steps(want)):
+    for a, b in zip(steps(have), steps(want), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=LOSS_RTOL), (a, b)
     assert have_params.keys() == want_params.keys()

@@ -65,7 +65,8 @@ def runs(tmp_path_factory):
             for name, flags in CASES.items()
             for tag, overlap in (("plain", []), ("overlap", ["--overlap-param-gather"]))]
     buckets = run_ranks(train_all, 2, jobs)[0]
-    return tmp, dict(zip([f"{n}-{t}" for n in CASES for t in ("plain", "overlap")], buckets))
+    names = [f"{n}-{t}" for n in CASES for t in ("plain", "overlap")]
+    return tmp, dict(zip(names, buckets, strict=True))
 
 
 @pytest.mark.parametrize("name", list(CASES))

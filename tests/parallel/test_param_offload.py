@@ -95,7 +95,7 @@ def results(tmp_path_factory):
     ranks = run_ranks(train_runs, 4, runs, planned, timeout=300)
     out = {key: (read_jsonl(tmp / (f"{key[0]}-{key[1]}-{key[2]}.jsonl"
                                    if isinstance(key, tuple) else f"{key}.jsonl")), answer)
-           for key, answer in zip(keys, ranks[0][0])}
+           for key, answer in zip(keys, ranks[0][0], strict=True)}
     out["planned"] = [per_rank for _, per_rank in ranks]
     return out
 

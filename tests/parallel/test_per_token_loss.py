@@ -77,7 +77,7 @@ def first_gradient_norm(trainer, mode: str) -> float:
     if mode == "token":
         loss = sum(sums) / sum(counts)
     else:
-        loss = sum(s / c for s, c in zip(sums, counts)) / len(batches)
+        loss = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(batches)
     loss.backward()
     return math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
 

@@ -74,14 +74,14 @@ def peaks(flags: list, m: int) -> tuple[int, int]:
     growing = storage_bytes([v for b in batches for v in b.values()])
     growing += m * F32 if pipe.has_last else 0
     out = []
-    for run, train in ((step, True), (torch.no_grad()(pipe.evaluate), False)):  # as step.py
+    for run in (step, torch.no_grad()(pipe.evaluate)):  # train, then evaluate, as step.py
         gc.collect()
         held = storage_bytes(receive_buffers(pipe))
         assert held == 0, held  # none between steps: they come with their micro-batch
         with LiveBytes() as mem:
             run(batches)
         out.append(held + mem.peak - growing)
-    del trainer
+    trainer = None  # step's closure cell too: the model is freed before the next run
     gc.collect()
     return out[0], out[1]
 

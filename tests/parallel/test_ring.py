@@ -72,7 +72,7 @@ def usp_vs_reference(rank, world, sp, cp):
                 grads = torch.autograd.grad(y, local, dy)
         sent = comm.stats.pop()
         errs = [_rel(y, ref[:, mine])] + [_rel(a, b[:, mine])
-                                          for a, b in zip(grads, ref_grads)]
+                                          for a, b in zip(grads, ref_grads, strict=True)]
         e = torch.finfo(dtype).bits // 8
         fwd, bwd = ring_bytes_per_layer(B, S, max(hkv, sp) // sp, D, cp, e)
         a2a = 2 * ulysses_bytes_per_layer(B, S // cp, hq, hkv, D, sp, e) if sp > 1 else 0

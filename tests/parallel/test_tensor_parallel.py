@@ -43,7 +43,7 @@ def block_tp(rank, world, sequence_parallel):
         yt.backward(grad[:, keep])
         bwd = comm.stats.pop()
     err = [_rel(yt, yr[:, keep]), _rel(xt.grad, xr.grad[:, keep])]
-    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+    for p, q in zip(block.parameters(), ref.parameters(), strict=True):
         gp = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         err.append(_rel(gp, q.grad))
     # (bytes counted, whether a dispatch mode ran) of passes keyed alike; after the

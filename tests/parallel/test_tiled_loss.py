@@ -10,7 +10,6 @@ within BF16_TOL. The bytes its collectives send match the formula. Then the whol
 with the tiled MLP under Megatron-SP): losses and every parameter gradient == one process.
 """
 
-import pytest
 import torch
 
 from dist import run_ranks
@@ -95,7 +94,6 @@ GPT_CASES = {"tied-tp2": (True, False, 1), "tied-tp2-megatron-sp": (True, True, 
 
 
 def gpt_tp(rank, world):
-    from megaulysses.config import ModelConfig
     from megaulysses.model.attention import math_attention
     from megaulysses.model.gpt import build_model
     from megaulysses.model.ops import cross_entropy
@@ -125,7 +123,7 @@ def gpt_tp(rank, world):
             losses.backward(grad)
         align_grads(model.parameters(), comm)
         errs = {"losses": _rel(losses, ref_losses)}
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             gp = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             errs[name] = _rel(gp, q.grad)
         out[case] = errs

@@ -37,7 +37,8 @@ def ulysses_vs_reference(rank, world, dtype_name):
             grads = torch.autograd.grad(y, local, slice_sequence(grad, comm))
             bwd_bytes = comm.stats.pop().get("all_to_all", 0)
             errs = [_rel(y, slice_sequence(ref, comm))]
-            errs += [_rel(a, slice_sequence(b, comm)) for a, b in zip(grads, ref_grads)]
+            errs += [_rel(a, slice_sequence(b, comm))
+                     for a, b in zip(grads, ref_grads, strict=True)]
             expected = ulysses_bytes_per_layer(B, S, hq, hkv, D, world, q.element_size())
             out.append(dict(case=(hq, hkv, name), err=max(errs), fwd=fwd_bytes, bwd=bwd_bytes,
                             expected=expected, shape=tuple(y.shape)))

@@ -87,7 +87,7 @@ def run_stages(tmp_path, world, flags, stages=STAGES, extra=None):
     """`extra`: more flags for some stages, {stage: flags}."""
     paths = [str(tmp_path / f"zero{z}.jsonl") for z in stages]
     runs = [(["--zero-stage", str(z)] + (extra or {}).get(z, []), p)
-            for z, p in zip(stages, paths)]
+            for z, p in zip(stages, paths, strict=True)]
     return paths, run_ranks(train_runs, world, grid_args(tmp_path, flags), runs)
 
 
@@ -167,7 +167,7 @@ def test_zero_stages_equal_one_process(reference, grid_runs, world, flags):
     n = world // tp  # dp x sp
     micro = 8 // (2 * (n // sp))  # global batch 8 in micro-batches of 2 per dp rank
     root = 4 * sum(v.size for k, v in ref_params.items() if not k.startswith("layers."))
-    for i, (stage, path) in enumerate(zip(stages, paths)):
+    for i, (stage, path) in enumerate(zip(stages, paths, strict=True)):
         records = read_jsonl(path)
         params = results[0][i][0]
         assert_same_run(records, ref_records, params, ref_params)
@@ -182,7 +182,7 @@ def test_zero_stages_equal_one_process(reference, grid_runs, world, flags):
     # What stages 2 and 3 differ in is held during a step: stage 2 keeps every parameter
     # gathered through the step, stage 3 the root unit and at most a block at a time.
     peak = {z: max(r["mem_params_bytes"] for r in read_jsonl(p) if "loss" in r)
-            for z, p in zip(stages, paths)}
+            for z, p in zip(stages, paths, strict=True)}
     whole = results[0][one][2]
     block = max(_block_bytes(ref_params).values()) // tp
     assert peak[2] >= whole + whole / n, peak

@@ -344,7 +344,7 @@ def _local_slice(sh: ShardedTensor, full: torch.Tensor) -> torch.Tensor:
     assert sh.flattened_range is None, sh.key
     n = sh.prepend_axis_num
     index: list[Any] = list(sh.global_offset[:n])
-    index += [slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape)]
+    index += [slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape, strict=True)]
     return full[tuple(index)]
 
 

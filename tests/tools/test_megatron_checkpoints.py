@@ -347,7 +347,7 @@ def test_exported_args_are_what_megatron_lm_records(exported):
     run records for the same model (tests/tools/megatron_oracle.py's megatron_args)."""
     import megatron_oracle as mo
     _, loaded = exported
-    for name, style, grid, fmt, flags in EXPORTS:  # (the Hugging Face case: 0.0 dropout)
+    for name, style, grid, _fmt, _flags in EXPORTS:  # (the Hugging Face case: 0.0 dropout)
         theirs = mo.megatron_args(style, tp=grid[0], pp=grid[1])
         ours = loaded[name][2]
         for key in ARGS_MEGATRON_SETS:

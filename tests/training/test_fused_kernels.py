@@ -190,7 +190,7 @@ def test_unscale_and_clip_unchanged(inv_scale, max_norm):
     mine, ref = mixed_tensors(), mixed_tensors()
     norm = unscale_and_clip([GradPart(t) for t in mine], inv_scale, max_norm)
     assert norm == reference_unscale_and_clip(ref, inv_scale, max_norm)
-    for a, b in zip(mine, ref):
+    for a, b in zip(mine, ref, strict=True):
         assert torch.equal(a, b)
 
 
@@ -199,7 +199,7 @@ def test_non_finite_norm_leaves_grads_unclipped():
     tensors[3][0] = float("inf")
     before = [t.clone() for t in tensors]
     assert unscale_and_clip([GradPart(t) for t in tensors], 1.0, 1.0) == float("inf")
-    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 
 # -- CUDA: part (a) of benchmarks/device_check.sh -------------------------------------------
@@ -216,7 +216,8 @@ def test_cuda_grad_norm_clip_and_optimizer_against_unfused():
     norm = unscale_and_clip([GradPart(t) for t in mine], 2.0 ** -10, 1e-3)
     reference_unscale_and_clip(ref, 2.0 ** -10, 1e-3)
     assert abs(norm * 2.0 ** 10 - want) <= 1e-12 * want
-    for a, b in zip(mine, ref):  # clip factors from norms 1e-12 apart: a few ulps at most
+    # clip factors from norms 1e-12 apart: a few ulps at most
+    for a, b in zip(mine, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -232,10 +233,10 @@ def test_cuda_grad_norm_clip_and_optimizer_against_unfused():
                                 foreach=False)
     for step in grads:
         for o, ps in ((opt, chosen), (ref_opt, loop)):
-            for p, gr in zip(ps, step):
+            for p, gr in zip(ps, step, strict=True):
                 p.grad = gr.clone()
             o.step()
-    for a, b in zip(chosen, loop):
+    for a, b in zip(chosen, loop, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -253,7 +254,7 @@ def test_cuda_rms_norm_as_chosen_against_ours():
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(xi, wi, 1e-5)
         out.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
-    for a, b in zip(*out):
+    for a, b in zip(*out, strict=True):
         assert a.dtype == b.dtype == torch.float32
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)

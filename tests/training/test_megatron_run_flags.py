@@ -131,7 +131,8 @@ def spikes_on_grids(rank, world, tmp) -> dict:
             if checked:
                 passes = len(trainer.spike_calls)
         out[name] = passes if rank == 1 else max(
-            (a - b).abs().max().item() for a, b in zip(states[0].values(), states[1].values()))
+            (a - b).abs().max().item()
+            for a, b in zip(states[0].values(), states[1].values(), strict=True))
     return out
 
 

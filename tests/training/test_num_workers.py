@@ -37,7 +37,7 @@ def test_workers_build_the_same_batches_in_other_processes():
     for consumed in (0, 4, 8, 40, 44, 12):  # in order, then elsewhere (a restart), back
         got, want = workers.micro_batches(consumed), builder.micro_batches(consumed)
         assert len(got) == len(want) == 2
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert torch.equal(g["tokens"][:, 0::2], w["tokens"][:, 0::2])  # sample ids
             assert torch.equal(g["labels"][:, 1::2], w["labels"][:, 1::2])
             pids |= set(g["tokens"][:, 1].tolist())

@@ -154,7 +154,7 @@ def grid_runs(tmp_path_factory):
     norms = run_ranks(train_grids, 2, runs, timeout=300)[0]
     return tmp, {name: (norm, {r["iteration"]: r for r in read_jsonl(tmp / f"{name}.jsonl")},
                         scalars(tmp / name / "tb"))
-                 for name, norm in zip(GRIDS, norms)}
+                 for name, norm in zip(GRIDS, norms, strict=True)}
 
 
 def test_grids_log_the_norm_of_their_whole_model_and_the_one_process_values(grid_runs,

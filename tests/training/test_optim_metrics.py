@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megaulysses.config import ModelConfig, TrainConfig
+from megaulysses.config import TrainConfig
 from megaulysses.model.attention import math_attention
 from megaulysses.model.gpt import build_model
 from megaulysses.training.metrics import flops_per_iteration
@@ -60,13 +60,13 @@ def test_clipping_matches_torch():
     g = torch.Generator().manual_seed(0)
     a = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
     b = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=True):
         p.grad = torch.randn(5, 3, generator=g) * 4
         q.grad = p.grad.clone()
     ours = unscale_and_clip(grad_parts(a), 1.0, max_norm=1.0)
     ref = torch.nn.utils.clip_grad_norm_(b, max_norm=1.0)
     assert ours == pytest.approx(ref.item(), rel=1e-6)
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 

@@ -116,10 +116,10 @@ def test_decoupled_groups_are_the_embedding_and_output_layer():
                  "--min-lr", "1e-4")
     groups, bounds = param_groups(m, 0.1, decoupled=True), lr_bounds(m, t)
     names = {id(p): n for n, p in m.named_parameters()}
-    decoupled = {names[id(p)] for g, b in zip(groups, bounds) if b == (0.5, 0.05)
+    decoupled = {names[id(p)] for g, b in zip(groups, bounds, strict=True) if b == (0.5, 0.05)
                  for p in g["params"]}
     assert decoupled == set(DECOUPLED)  # not the position embedding (Megatron-LM's rule)
-    assert all(b == (1e-3, 1e-4) for g, b in zip(groups, bounds)
+    assert all(b == (1e-3, 1e-4) for g, b in zip(groups, bounds, strict=True)
                if not {names[id(p)] for p in g["params"]} & decoupled)
     # without --decoupled-lr: the groups of before (no new group, no new key)
     assert [len(g["params"]) for g in param_groups(m, 0.1)] == [
@@ -224,7 +224,7 @@ def test_rampup_run_batches_lr_and_frozen_decoupled_group(reference):
     train_recs = [r for r in records if "loss" in r]
     assert [r["global_batch_size"] for r in train_recs] == BATCHES
     assert [r["consumed_samples"] for r in train_recs] == [c + b for c, b in
-                                                           zip(CONSUMED, BATCHES)]
+                                                           zip(CONSUMED, BATCHES, strict=True)]
     # lr 3e-3 -> 3e-4: warmup at consumed / 10 (Megatron-LM's: the value where the step
     # starts), then linear over the 28 samples after it
     want = [3e-3 * c / 10 if c <= 10 else 3e-4 + (1 - (c - 10) / 28) * 2.7e-3

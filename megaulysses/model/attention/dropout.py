@@ -130,8 +130,9 @@ class AttentionDropout:
         """`rows` in the block kernel's grouped layout: `[n, hkv, Q * rep]`, rows ordered
         (position, head in group); q head g * rep + r is kv group g's r-th."""
         heads = torch.arange(hkv * rep, device=qpos.device)
-        return tuple(w.view(w.shape[0], hkv, rep, -1).transpose(2, 3).reshape(
-            w.shape[0], hkv, -1) for w in self.rows(samples, heads, qpos))
+        r1, r2 = (w.view(w.shape[0], hkv, rep, -1).transpose(2, 3).reshape(w.shape[0], hkv, -1)
+                  for w in self.rows(samples, heads, qpos))
+        return r1, r2
 
     def apply_(self, t: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """t with the dropped entries zeroed and the kept ones scaled, in place."""

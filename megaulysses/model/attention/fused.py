@@ -141,7 +141,8 @@ def _cpu_forward(q, k, v, causal: bool, scale: float) -> Pair:
 def _cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float) -> Triple:
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         *_heads_first(dout, q, k, v, out), lse, 0.0, causal, scale=scale)
-    return tuple(_seq_first(dq, dk, dv))
+    dq, dk, dv = _seq_first(dq, dk, dv)
+    return dq, dk, dv
 
 
 # ---- CUDA: the flash_attn package -----------------------------------------------------------
@@ -213,7 +214,8 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float) -
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         *_heads_first(dout, q, k, v, out), lse.contiguous(), None, None, q.shape[1],
         k.shape[1], 0.0, causal, rng, unused, scale=scale)
-    return tuple(_seq_first(*grads))
+    dq, dk, dv = _seq_first(*grads)
+    return dq, dk, dv
 
 
 def _repeat_kv(q, k, v) -> Pair:

@@ -167,8 +167,12 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
 
 def flash_varlen_args(mask: AttentionMask, device: torch.device) -> tuple[torch.Tensor, int]:
     """(cu_seqlens, max_seqlen) of the mask's documents on `device`, once per batch."""
+    documents = mask.documents
+    if documents is None:
+        raise ValueError("flash_varlen_args: the mask has no documents (only a "
+                         "--reset-attention-mask batch cuts the sequence into them)")
     return mask.prepared(("flash-varlen", torch.device(device)),
-                         lambda: _cu_seqlens_on(mask.documents, device))
+                         lambda: _cu_seqlens_on(documents, device))
 
 
 def _cu_seqlens_on(documents: torch.Tensor, device) -> tuple[torch.Tensor, int]:

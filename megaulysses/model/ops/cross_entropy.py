@@ -45,7 +45,9 @@ class VocabShard(Protocol):
     `_VocabShard` runs them as all-reduces over a `parallel.comm.Comm` group (not imported:
     this module imports nothing distributed)."""
 
-    start: int
+    @property
+    def start(self) -> int:
+        """The first vocabulary row of this rank's shard (read only: a frozen one fits)."""
 
     def reduce_max(self, x: torch.Tensor) -> None:
         """x = the elementwise max of every shard's x (MAX)."""
@@ -89,7 +91,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Outside saved_tensors: the first backward consumes it in place, later ones recompute.
         # Compiled (--torch-compile) it is a saved tensor instead: dynamo traces no state
         # kept on ctx, and the compiled backward is functional (nothing is consumed).
-        ctx.kept, saved = [], []
+        saved: list[torch.Tensor] = []
+        ctx.kept = []
         compiling = torch.compiler.is_compiling()
         for i in range(0, n, rows):
             c = slice(i, i + rows)

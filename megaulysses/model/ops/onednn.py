@@ -69,8 +69,9 @@ def _use_onednn(x, weight) -> bool:
     # Plain tensors only: tensor subclasses (DTensor under tensor parallelism) take F.linear,
     # whose sharding rules they know.
     plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-    return (plain and ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled)
+    # bool(): the stubs type mkldnn.enabled as its descriptor; it reads as a bool
+    return bool(plain and ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32
+                and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled)
 
 
 class _OneDNNLinear(torch.autograd.Function):

@@ -109,7 +109,7 @@ class _Activations:
             cut = layer_groups(n, mem.recompute_method, mem.recompute_num_layers)
             host = [again and a < mem.cpu_offloading_num_layers for a, _, again in cut]
             kept = [0 if off else x if again else (end - a) * layer
-                    for off, (a, end, again) in zip(host, cut)]
+                    for off, (a, end, again) in zip(host, cut, strict=True)]
             # A group's backward: the groups before it keep theirs, it holds all again.
             worst = max(sum(kept[:i]) + (end - a) * layer for i, (a, end, _) in enumerate(cut))
             if any(host[:-1]):  # an offloaded input comes back during attention backward

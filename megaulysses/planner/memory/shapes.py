@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaulysses.config import Config, pipeline_layout
+from megaulysses.config.fields import filled
 from megaulysses.config.rules_memory import fpdt_chunks
 from megaulysses.model.attention.block import attention_block_size
 from megaulysses.model.attention.kernels import CPU_BLOCK_MAX_SEQ
@@ -66,7 +67,7 @@ class _RankLayout:
         par, t = cfg.parallel, cfg.train
         layout = pipeline_layout(cfg.model.num_layers, par)
         ids = tuple(range(pp_rank, len(layout), dims.pp))
-        m = t.global_batch_size // (t.micro_batch_size * dims.dp)
+        m = filled(t.global_batch_size, "--global-batch-size") // (t.micro_batch_size * dims.dp)
         schedule = par.pipeline_schedule if dims.pp > 1 else None
         in_flight = _in_flight(schedule, dims.pp, pp_rank, m, len(ids))
         return cls(ids=ids, stage_layers=tuple(len(layout[i]) for i in ids), first=0 in ids,

@@ -42,7 +42,7 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
                rank: _RankLayout) -> dict:
     """Bytes this rank sends per iteration, {(group, kind): bytes} (the module doc's list;
     the group is the mesh dim the collective runs over, as comm.CommStats counts it)."""
-    out = defaultdict(float)
+    out: defaultdict[tuple[str, str], float] = defaultdict(float)
     m, layers = rank.m, rank.layers
     forwards = m * (layers + acts.rerun[0])  # layer forwards per iteration
     if s.sp > 1:  # over the ring rank's S/C positions
@@ -72,7 +72,7 @@ def comm_bytes(cfg: Config, dims: ParallelDims, s: _Shape, st: _States, acts: _A
 
 def bytes_by_kind(by_group: dict) -> dict:
     """{(group, kind): bytes} summed over groups: {kind: bytes}."""
-    out = defaultdict(int)
+    out: defaultdict[str, int] = defaultdict(int)
     for (_, kind), n in by_group.items():
         out[kind] += n
     return dict(out)

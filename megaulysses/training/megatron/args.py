@@ -68,8 +68,9 @@ def load_pickle(source: Any, what: str) -> Any:
         return torch.load(source, map_location="cpu", weights_only=False,
                           pickle_module=_PickleModule)
     except Exception as e:  # a torn or foreign file: one line naming it
+        first = str(e).splitlines()[0] if str(e) else ""
         raise CheckpointError(f"{what}: unreadable as a Megatron-LM checkpoint file "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                              f"({type(e).__name__}: {first})") from e
 
 
 def dumps(obj: Any) -> io.BytesIO:
@@ -128,7 +129,7 @@ def megatron_window_of(args: Any, where: str) -> Optional[int]:
     try:
         return megatron_window(*pair)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: --window-size {pair}: {e}")
+        raise CheckpointError(f"{where}: --window-size {pair}: {e}") from None
 
 
 def position_type(args: Any) -> str:

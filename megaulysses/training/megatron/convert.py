@@ -15,6 +15,7 @@ import torch
 from megaulysses.config import CheckpointError
 from megaulysses.training.megatron import write
 from megaulysses.training.megatron.args import megatron_args
+from megaulysses.training.megatron.detect import TRACKER
 from megaulysses.training.megatron.layout import to_megatron
 from megaulysses.training.megatron.read import (MegatronCheckpoint, find_iteration_dir,
                                                 read_megatron)
@@ -113,7 +114,7 @@ def import_for_run(path: str, save: Optional[str], rank: int, comm: Any) -> str:
 
 
 def _iteration(work: str) -> int:
-    with open(os.path.join(work, write.TRACKER)) as f:
+    with open(os.path.join(work, TRACKER)) as f:
         return int(f.read().strip())
 
 
@@ -177,7 +178,7 @@ def export_megatron(meta: dict, state: dict[str, torch.Tensor], out: str, fmt: s
     else:
         raise CheckpointError(f"--ckpt-format: {fmt!r} is not written here (torch_dist or "
                               "torch)")
-    with open(os.path.join(out, write.TRACKER), "w") as f:
+    with open(os.path.join(out, TRACKER), "w") as f:
         f.write("release" if iteration == 0 else str(iteration))
     return iter_dir, args
 

@@ -183,7 +183,8 @@ def tp_split(cfg: ModelConfig, name: str, whole: torch.Tensor, tp: int) -> list[
         return [whole] * tp
     if _glu(name, cfg):  # rank r: [gate_r; up_r]
         gate, up = whole.chunk(2)
-        return [torch.cat(pair).contiguous() for pair in zip(gate.chunk(tp), up.chunk(tp))]
+        pairs = zip(gate.chunk(tp), up.chunk(tp), strict=True)
+        return [torch.cat(pair).contiguous() for pair in pairs]
     return [t.contiguous() for t in whole.chunk(tp, dim=axis)]
 
 

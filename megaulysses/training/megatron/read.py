@@ -72,7 +72,7 @@ def _dist_metadata(path: str) -> Any:
                                   f"{backend!r} is not read here (only torch_dist)")
         return FileSystemReader(path).read_metadata()
     except (OSError, ValueError, EOFError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: unreadable torch_dist checkpoint ({e})")
+        raise CheckpointError(f"{path}: unreadable torch_dist checkpoint ({e})") from e
 
 
 def _raw_bytes_planner() -> Any:
@@ -100,7 +100,7 @@ def _dist_load(path: str, state: dict) -> None:
                      planner=_raw_bytes_planner())
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{path}: corrupt or incomplete torch_dist checkpoint "
-                              f"({_root_cause(e)})")
+                              f"({_root_cause(e)})") from e
 
 
 def _dist_common(path: str, metadata: Any) -> dict:
@@ -252,7 +252,11 @@ def read_megatron(path: str) -> MegatronCheckpoint:
     if iter_dir is None:
         raise CheckpointError(f"{path}: not a Megatron-LM checkpoint (no {TRACKER} naming "
                               f"an iter_* directory with {CONFIG_FILE} or mp_rank_*)")
-    fmt, grid = checkpoint_format(iter_dir), {}
+    fmt = checkpoint_format(iter_dir)
+    if fmt is None:
+        raise CheckpointError(f"{iter_dir}: neither {CONFIG_FILE} (torch_dist) nor mp_rank_* "
+                              "directories (legacy torch): not a Megatron-LM checkpoint")
+    grid: dict[str, int] = {}
     if fmt == "torch_dist":
         common, whole, dtype = read_torch_dist(iter_dir)
     else:

@@ -27,7 +27,7 @@ import torch
 from megaulysses.config import CheckpointError, ModelConfig
 from megaulysses.training.megatron.args import CHECKPOINT_VERSION, dumps
 from megaulysses.training.megatron.layout import NORM_ALIASES, tp_split
-from megaulysses.training.megatron.detect import CONFIG_FILE, TRACKER
+from megaulysses.training.megatron.detect import CONFIG_FILE
 from megaulysses.training.megatron.read import COMMON_FILE, COMMON_KEY
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -78,8 +78,8 @@ def _stacked(cfg: ModelConfig, meg: dict[str, torch.Tensor]) -> dict[str, Any]:
         out["decoder.layers." + rest] = torch.stack(tensors)
     n = cfg.num_layers
     for linear in LINEARS:
-        for i in range(n):
-            out[f"decoder.layers.{linear}._extra_state/shard_{i}_{n}"] = dumps([None])
+        for k in range(n):
+            out[f"decoder.layers.{linear}._extra_state/shard_{k}_{n}"] = dumps([None])
     return out
 
 
