@@ -268,21 +268,23 @@ def _walk(base: Config, shape: tuple, mb: int, megatron_sp: bool, gpu: GPU,
 def _fewer_offloaded(base: Config, c: Candidate, gpu: GPU, reserve_gib: float) -> Candidate:
     """`c` (every layer's input of a stage offloaded), or where that outgrows the host's
     share, the same grid with the most layers offloaded that the host holds: the rest
-    stay on the device, which then holds what the host cannot (host bytes grow and
-    device bytes shrink with the count, so one bisection finds it)."""
-    if c.kind != "memory" or c.prediction is None or c.prediction.fits_host:
+    stay on the device. Host bytes grow by one input per offloaded layer, so the count
+    follows from the host bytes with none offloaded; device bytes only grow as it falls,
+    so a grid already too big for the device is left as it is."""
+    p = c.prediction
+    if c.kind != "memory" or p is None or p.fits_host or (
+            p.memory_bytes + p.margin_bytes > p.usable_bytes):
         return c  # (a "memory" candidate always has its prediction)
-    fit, miss, best = 0, c.grid.offload, None
-    while miss - fit > 1:
-        mid = (fit + miss) // 2
-        trial = evaluate(base, replace(c.grid, offload=mid), gpu, reserve_gib)
-        if trial.kind == "invalid" or trial.prediction is None:
-            return c
-        if trial.prediction.fits_host:
-            fit, best = mid, trial
-        else:
-            miss = mid
-    return best or c
+    none = evaluate(base, replace(c.grid, offload=0), gpu, reserve_gib)
+    if none.prediction is None or not none.prediction.fits_host:
+        return c
+    per_layer = (p.host_bytes - none.prediction.host_bytes) / c.grid.offload
+    n = min(c.grid.offload - 1,
+            int((p.host_usable_bytes - none.prediction.host_bytes) // per_layer))
+    if n <= 0:
+        return none if none.kind == "fits" else c
+    trial = evaluate(base, replace(c.grid, offload=n), gpu, reserve_gib)
+    return trial if trial.prediction is not None else c
 
 
 def _stages(base: Config, n: int, fixed: dict, alone: bool = False
