@@ -51,6 +51,17 @@ def run_subprocess(args, timeout=300) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def logged_iteration(path) -> int:
+    """The newest iteration in a --metrics-jsonl that is being written (0 if none yet)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    done = [json.loads(line).get("iteration", 0) for line in lines[:-1] if line]  # last may be cut
+    return max(done, default=0)
+
+
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]

@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 from dist import free_port
-from helpers import REPO, TINY, read_jsonl, train_losses
+from helpers import REPO, TINY, logged_iteration, read_jsonl, train_losses
 
 CLUSTER = os.path.join(REPO, "examples", "slurm", "local_cluster.sh")
 
@@ -88,17 +88,6 @@ def wait_for(predicate, env, job, what: str, timeout=JOB_TIMEOUT_S):
         assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"{what}: job is {state}"
         assert time.monotonic() < deadline, f"{what}: not in {timeout} s"
         time.sleep(0.05)
-
-
-def logged_iteration(path) -> int:
-    """The newest iteration in a --metrics-jsonl being written (0 if none yet)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return 0
-    return max((int(re.search(r'"iteration": (\d+)', line).group(1))
-                for line in lines[:-1] if '"iteration"' in line), default=0)
 
 
 def committed(ck) -> int:

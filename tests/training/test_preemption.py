@@ -7,7 +7,6 @@ through its write leaves the previous checkpoint loadable.
 """
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -15,20 +14,9 @@ import sys
 import time
 
 from dist import free_port
-from helpers import REPO, TINY, launch, read_jsonl, train_losses, wait_all
+from helpers import REPO, TINY, launch, logged_iteration, read_jsonl, train_losses, wait_all
 
 ITERS = ["--train-iters", "16"]
-
-
-def logged_iteration(path) -> int:
-    """The newest iteration in a --metrics-jsonl that is being written (0 if none yet)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return 0
-    done = [json.loads(line)["iteration"] for line in lines[:-1] if line]  # last may be cut
-    return max(done, default=0)
 
 
 def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(tmp_path):
