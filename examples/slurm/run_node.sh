@@ -7,8 +7,13 @@
 # torchrun itself still exits non-zero after a signal, which would mark a cleanly saved
 # job step failed; when every local worker left its marker, this node reports success.
 #
-# Needs NNODES, GPUS_PER_NODE, HEAD_NODE, RDZV_PORT, SLURM_JOB_ID (the sbatch sets them);
-# PYTHON, if set, is the interpreter that runs torchrun (torch.distributed.run).
+# The rendezvous is static: node k of the allocation (SLURM_NODEID) holds ranks
+# k*GPUS_PER_NODE.., so rank 0, and the job's store torchrun hosts, are on the first node,
+# where the batch script runs. (c10d's dynamic rendezvous orders nodes by host name and
+# process id: rank 0 could land on any node, and a lost node could take the store along.)
+#
+# Needs NNODES, GPUS_PER_NODE, HEAD_NODE, RDZV_PORT, SLURM_NODEID (the sbatch and srun set
+# them); PYTHON, if set, is the interpreter that runs torchrun (torch.distributed.run).
 set -uo pipefail
 
 if [ -n "${CHECK_ONLY:-}" ]; then  # the flags only (pretrain_gpt.sbatch's first step)
@@ -29,7 +34,7 @@ MEGAULYSSES_SAVED_ON_STOP="$markers" "${PYTHON:-python}" -m torch.distributed.ru
     --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}" \
-    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" \
+    --node-rank "$SLURM_NODEID" --master-addr "$HEAD_NODE" --master-port "$RDZV_PORT" \
     pretrain_gpt.py "$@" &
 torchrun_pid=$!
 while true; do  # a trapped signal interrupts `wait` (status > 128): wait again

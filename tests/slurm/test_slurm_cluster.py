@@ -233,8 +233,9 @@ def rank0_node(job: str) -> str:
 
 def test_lost_node_names_its_ranks_and_a_resubmission_resumes(slurm_env, jobs, tmp_path,
                                                               uninterrupted):
-    """The node without rank 0 dies (rank 0 hosts the job's store, which the survivors'
-    roll call needs to name who is gone)."""
+    """node2 dies. node1 stays: it runs the batch script and srun (which writes the job's
+    output), and rank 0 with the job's store, which the survivors' roll call needs to
+    name who is gone (run_node.sh's static rendezvous puts rank 0 there)."""
     ck, metrics, out = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "job.out"
     args = BASE + SP2 + ["--save", str(ck), "--load", str(ck), "--save-interval", "2",
                          "--distributed-timeout-minutes", "0.1", "--metrics-jsonl",
@@ -242,16 +243,17 @@ def test_lost_node_names_its_ranks_and_a_resubmission_resumes(slurm_env, jobs, t
     job = submit(slurm_env, out, args)
     jobs.append(job)
     wait_for(lambda: committed(ck) >= 2, slurm_env, job, "a checkpoint")
-    victim = "node2" if rank0_node(job) == "node1" else "node1"
+    assert rank0_node(job) == "node1"
     try:
-        lost = kill_node(victim, job)
+        lost = kill_node("node2", job)
         fields = wait_job(slurm_env, job)
     finally:
         subprocess.run(["bash", CLUSTER, "start"], env=slurm_env, timeout=120, check=True)
     log = out.read_text()
     assert fields["JobState"] in ("NODE_FAIL", "FAILED"), fields
     errors = [line for line in log.splitlines() if line.startswith("error: rank")]
-    named = f"ranks {', '.join(map(str, lost))} did not answer"
+    assert lost == [2, 3], lost  # node k holds ranks 2k, 2k+1
+    named = "ranks 2, 3 did not answer"
     assert errors and all(named in line for line in errors), log[-4000:]
     last = committed(ck)
     assert last >= 2 and (ck / f"iter_{last:07d}" / "COMMITTED").exists()
