@@ -12,7 +12,7 @@
 # where the batch script runs. (c10d's dynamic rendezvous orders nodes by host name and
 # process id: rank 0 could land on any node, and a lost node could take the store along.)
 #
-# Needs NNODES, GPUS_PER_NODE, HEAD_NODE, RDZV_PORT, SLURM_NODEID (the sbatch and srun set
+# Needs NNODES, GPUS_PER_NODE, HEAD_NODE, RDZV_PORT, SLURM_NODEID (0 if unset; sbatch, srun set
 # them); PYTHON, if set, is the interpreter that runs torchrun (torch.distributed.run).
 set -uo pipefail
 
@@ -34,7 +34,7 @@ MEGAULYSSES_SAVED_ON_STOP="$markers" "${PYTHON:-python}" -m torch.distributed.ru
     --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}" \
-    --node-rank "$SLURM_NODEID" --master-addr "$HEAD_NODE" --master-port "$RDZV_PORT" \
+    --node-rank "${SLURM_NODEID:-0}" --master-addr "$HEAD_NODE" --master-port "$RDZV_PORT" \
     pretrain_gpt.py "$@" &
 torchrun_pid=$!
 while true; do  # a trapped signal interrupts `wait` (status > 128): wait again
