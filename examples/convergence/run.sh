@@ -11,6 +11,7 @@
 # OUT_DIR (default runs/convergence) gets one metrics .jsonl and .log per run and
 # convergence.png. Extra flags go to every run (after ours, so they win), e.g.
 # `--train-iters 20` for a quick look. About 30 min on 2 cores for the default.
+# ZERO_STAGES (default "1 2 3") picks the Ulysses runs' ZeRO stages.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-runs/convergence}
@@ -28,7 +29,7 @@ run() {  # run NAME COMMAND...: the command with the common flags, its metrics i
 }
 
 run one_process python pretrain_gpt.py
-for zero in 1 2 3; do
+for zero in ${ZERO_STAGES:-1 2 3}; do
   run "ulysses_sp2_dp2_zero$zero" "${TORCHRUN[@]}" pretrain_gpt.py \
       --ds-sequence-parallel-size 2 --zero-stage "$zero"
 done
