@@ -12,8 +12,7 @@ destructor: std::terminate. A race, so it needs a worker that is slow to run (a 
 machine). `dims.leave_distributed` now destroys every group, joining its threads, before
 the interpreter shuts down.
 
-The test launches three torchrun jobs at once: the plain command line at dp4 (as
-reported), and dp4 and dp2 x sp2 through a launcher that runs `pretrain_gpt.main`
+The test launches two torchrun jobs at once: dp4 and dp2 x sp2 through a launcher that runs `pretrain_gpt.main`
 as `python pretrain_gpt.py` does but first makes the race likely: just before the run's
 last collective it pins each rank's gloo worker threads to its main thread's core at
 SCHED_IDLE, so the woken main thread runs ahead of the worker that finished the
@@ -21,7 +20,9 @@ collective. The launcher also reports the gloo threads alive when `main` returns
 the fix 10 per rank at dp4 and 12 at dp2 x sp2 in every run, now none, so it fails
 without the race too. Measured on the code before the fix, on this 2-core machine: the
 plain command line aborted in 0 of 68 runs (the report saw 2 to 5 in 10); the launcher
-in 10 of 10 runs at dp4 and 9 of 10 at dp2 x sp2; after it, 0 of 10 and 0 of 10.
+in 10 of 10 runs at dp4 and 9 of 10 at dp2 x sp2; after it, 0 of 10 and 0 of 10. (The
+plain command line ran here too until the suite needed its time: it never aborted, and
+plain torchrun runs exit 0 in many other tests, e.g. test_pipeline's, test_convergence.)
 """
 
 import os
@@ -109,9 +110,7 @@ def _start(script: str, flags: list) -> subprocess.Popen:
 def test_zero3_runs_exit_zero_every_time(tmp_path):
     launcher = tmp_path / "starved_exit.py"
     launcher.write_text(LAUNCHER.format(repo=REPO))
-    jobs = {"pretrain_gpt.py dp4": _start(os.path.join(REPO, "pretrain_gpt.py"), GRIDS["dp4"])}
-    for grid, flags in GRIDS.items():
-        jobs[f"starved {grid}"] = _start(str(launcher), flags)
+    jobs = {f"starved {grid}": _start(str(launcher), flags) for grid, flags in GRIDS.items()}
     deadline = time.monotonic() + 540
     failures = []
     for name, proc in jobs.items():
@@ -124,7 +123,7 @@ def test_zero3_runs_exit_zero_every_time(tmp_path):
             continue
         if proc.returncode != 0 or "terminate called" in out + err or LAST not in out:
             failures.append(f"{name}: exit {proc.returncode}\n{out[-1500:]}\n{err[-2500:]}")
-        elif name.startswith("starved"):
+        else:
             alive = [line for line in err.splitlines() if "gloo worker threads alive" in line]
             if len(alive) != 4 or any(not line.endswith(": 0") for line in alive):
                 failures.append(f"{name}: gloo threads outlived main on some rank: {alive}")
