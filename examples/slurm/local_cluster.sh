@@ -88,11 +88,11 @@ ReturnToService=2
 # Only jobs submitted with --requeue are requeued (a node failure otherwise requeues every
 # batch job): what pretrain_gpt.sbatch's comment tells users to pass.
 JobRequeue=0
-# A lost node is noticed within ~60 s: the job's other node must first see its collective
-# fail and name the lost ranks (seconds on a quiet machine, 20 s and more on a loaded
-# 2-core one, where a 20 s timeout killed the step before it printed the line); a killed
-# job's processes get 30 s to save.
-SlurmdTimeout=60
+# A lost node is noticed within ~30 s: the job's other node must first see its collective
+# fail and name the lost ranks (the roll call ends 11 s after the failure at the tests'
+# --distributed-timeout-minutes 0.1; more on a loaded 2-core machine); a killed job's
+# processes get 30 s to save.
+SlurmdTimeout=30
 SlurmctldTimeout=10
 KillWait=30
 MinJobAge=3600
