@@ -85,12 +85,16 @@ def eager_and_compiled(tmp, name: str, args: list) -> list:
             for kind, flag in (("eager", []), ("compiled", ["--torch-compile"]))]
 
 
-@pytest.fixture
-def inductor_cache(tmp_path, monkeypatch):
-    """Inductor's caches in this test's directory, shared by its ranks; each rank compiles
-    in its own process (no pool of compile workers per rank: 4 ranks share 2 cores)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """Inductor's caches in one directory for this file's tests and their ranks (a kernel
+    the one-process test compiled, the grids find built: gcc is most of the time); each
+    rank compiles in its own process (no pool of compile workers per rank: 4 ranks share
+    2 cores)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        mp.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        yield
 
 
 def test_one_process_compiles_whole_without_recompiling(tmp_path, inductor_cache):

@@ -184,10 +184,10 @@ def test_cli_one_grid_given_in_full(tmp_path):
       "--context-parallel-size", "1", "--zero-stage", "3", "--recompute-granularity", "full",
       "--tiled-mlp-chunks", "1", "--micro-batch-size", "1"],
      "the grid is not valid on 32 x A100-80GB: dp 1 x tp 2 x pp 1 x sp 16"),
-    (["--gpus", "8", "--gpu", "A100-40GB", "--num-layers", "64", "--hidden-size", "8192",
+    (["--gpus", "2", "--gpu", "A100-40GB", "--num-layers", "64", "--hidden-size", "8192",
       "--num-attention-heads", "64", "--seq-length", "1048576",
       "--max-position-embeddings", "1048576", "--global-batch-size", "1",
-      "--vocab-size", "50257", "--bf16"], "the model fits on no grid of 8 x A100-40GB"),
+      "--vocab-size", "50257", "--bf16"], "the model fits on no grid of 2 x A100-40GB"),
     (["--gpus", "16", "--calibration", "/nonexistent.json", *MODEL], "--calibration"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says):
