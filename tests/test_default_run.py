@@ -35,23 +35,25 @@ def test_example_script_spells_out_the_no_flag_default():
 
 def test_default_model_learns_and_samples_text(tmp_path):
     """The default model on the bundled data, briefly: the loss must fall by > 2 nats from
-    its start (~ln 4096 = 8.3) within 40 iterations of 4 x 256 tokens; run 3 Dec 2026 went
-    8.33 -> 5.89 (valid 6.05 -> 5.78). Then it must print a sample."""
+    its start (~ln 4096 = 8.3) within 30 iterations of 4 x 256 tokens, the mean of the last
+    five against the first (one batch's loss swings by ~0.2); run 7 Dec 2026 went 8.30 ->
+    6.07 (valid 6.27 -> 5.93; 40 iterations reach 5.91, at a third more time). Then it
+    must print a sample."""
     metrics = tmp_path / "m.jsonl"
-    proc = run_subprocess(["--train-iters", "40", "--global-batch-size", "4",
+    proc = run_subprocess(["--train-iters", "30", "--global-batch-size", "4",
                            "--micro-batch-size", "4", "--log-interval", "1",
-                           "--lr-warmup-iters", "5", "--eval-interval", "20", "--eval-iters",
+                           "--lr-warmup-iters", "5", "--eval-interval", "15", "--eval-iters",
                            "2", "--generate", "30", "--generate-prompt", "ROMEO:",
                            "--metrics-jsonl", str(metrics), "--save", str(tmp_path / "ck"),
                            "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path",
                            str(tmp_path / "cache")], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [r for r in read_jsonl(metrics) if "loss" in r]
-    first, last = train[0]["loss"], sum(r["loss"] for r in train[-2:]) / 2
+    first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert first > 7.5, first
     assert last < first - 2.0, (first, last)
     evals = [r["eval_loss"] for r in read_jsonl(metrics) if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
     sample = proc.stdout.split("---- sample from the trained model ----")[1]
     assert len(sample.strip().split("-" * 39)[0].strip()) > 20
-    assert os.listdir(tmp_path / "tb") and os.path.isdir(tmp_path / "ck" / "iter_0000040")
+    assert os.listdir(tmp_path / "tb") and os.path.isdir(tmp_path / "ck" / "iter_0000030")

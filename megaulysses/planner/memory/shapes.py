@@ -24,6 +24,7 @@ Later backwards hold as many while forwards remain, and the gradients.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -328,7 +329,8 @@ def _blocks(m, cp: int, cp_rank: int) -> tuple[int, int, int, int]:
     return block, steps[0], max(steps[1:]), max(steps[1:-1], default=0)
 
 
-def _ring_keys(S: int, cp: int, rank: int, block: int, window: Optional[int]) -> list[int]:
+@functools.lru_cache(maxsize=1024)  # pure; the grid search asks the same lengths often
+def _ring_keys(S: int, cp: int, rank: int, block: int, window: Optional[int]) -> tuple:
     """Per ring step, the most keys (in whole blocks) one of ring rank `rank`'s query
     blocks attends among the keys it holds then, under the causal mask and the window:
     block pairs by their position ranges, as `AttentionMask.block_kinds` skips them."""
@@ -350,7 +352,7 @@ def _ring_keys(S: int, cp: int, rank: int, block: int, window: Optional[int]) ->
                     n += last // block - first // block + 1
             most = max(most, n * block)
         keys.append(most)
-    return keys
+    return tuple(keys)
 
 
 def _layout_blocks_attended(layout, n: int) -> int:

@@ -43,6 +43,7 @@ along dim 0 into ceil(rows/N)-row pieces.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -63,11 +64,11 @@ _COLWISE = tuple(f"{name}." for name, kind in BLOCK_LINEARS.items() if kind == "
 _ROWWISE = tuple(f"{name}." for name, kind in BLOCK_LINEARS.items() if kind == "rowwise")
 
 
-_PARAMS_CACHE: dict = {}  # (model config, layout, stages) -> [(name, shape)]; the
+_PARAMS_CACHE: dict = {}  # (model config, layout, stages) -> {tp: ((name, shape), ...)}; the
 # planner's grid search plans many grids of one model (a meta GPT takes ~50 ms to build)
 
 
-def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> list[tuple]:
+def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> tuple:
     """(name, tensor-parallel local shape) of every parameter this pipeline rank holds:
     the GPT built on the meta device and cut to the rank's stages as parallelize does."""
     layout = pipeline_layout(cfg.model.num_layers, cfg.parallel) if dims.pp > 1 else None
@@ -81,8 +82,11 @@ def _stage_params(cfg: Config, dims: ParallelDims, rank: _RankLayout) -> list[tu
             keep_stages(model, layout, list(rank.ids))
         if len(_PARAMS_CACHE) >= 256:
             _PARAMS_CACHE.clear()
-        _PARAMS_CACHE[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    return [(n, _tp_local(n, shape, dims.tp)) for n, shape in _PARAMS_CACHE[key]]
+        _PARAMS_CACHE[key] = {1: tuple((n, tuple(p.shape)) for n, p in model.named_parameters())}
+    by_tp = _PARAMS_CACHE[key]  # {tp: the tp-local list}, each made once
+    if dims.tp not in by_tp:
+        by_tp[dims.tp] = tuple((n, _tp_local(n, shape, dims.tp)) for n, shape in by_tp[1])
+    return by_tp[dims.tp]
 
 
 def _tp_local(name: str, shape: tuple, tp: int) -> tuple:
@@ -110,48 +114,77 @@ class _Sizes:
                    rows=F32 * sum(min(chunk(sh), sh[0]) * math.prod(sh[1:]) for sh in shapes))
 
 
+@dataclass(frozen=True)
+class _Summary:
+    """What `_States` needs of a parameter list, in fp32 bytes (`_summary`)."""
+
+    everything: _Sizes
+    block_params: tuple  # (name, shape) of the first block's parameters
+    block: int  # a block's bytes (tp shards)
+    block_mlp: int  # its MLP's
+    block_padded: int  # its N padded ZeRO pieces
+    root: int  # the root unit's (not a block's; without the ends where they are units)
+    root_piece: int  # the piece of what a micro-batch gathers once (traffic.py)
+    head_unit: int  # the head's N padded pieces where it is a unit of its own, else 0
+    sizes: tuple  # (bytes, padded bytes) per parameter, for `_buckets`
+    cast_copies: int  # 16-bit bytes of the blocks' 2-D weights (autocast's copies)
+    head: _Sizes  # the output layer's (the word embedding's when tied)
+
+
+@functools.lru_cache(maxsize=256)
+def _summary(params: tuple, n: int, ends: bool, tied: bool) -> _Summary:
+    """Sums over `params` ((name, tp-local shape) each) at ZeRO over `n` ranks; cached: the
+    planner's search plans many grids of one parameter list (a 64-layer model's ~800
+    parameters summed per grid were most of a search's time)."""
+    first_block = next((_block(name) for name, _ in params if _block(name)), None)
+    block = tuple((name, sh) for name, sh in params if _block(name) == first_block)
+    block_sizes = _Sizes.of([sh for _, sh in block], n)
+    root = _Sizes.of([sh for name, sh in params if not _block(name) and not (
+        ends and name.startswith(("embed.", "head.")))], n)
+    once = _Sizes.of([sh for name, sh in params if not _block(name) and not (
+        ends and name.startswith("head."))], n)
+    head_unit = _Sizes.of([sh for name, sh in params if ends and name.startswith("head.")], n)
+    return _Summary(
+        everything=_Sizes.of([sh for _, sh in params], n), block_params=block,
+        block=block_sizes.whole, block_mlp=_Sizes.of([sh for name, sh in block
+                                                      if ".mlp." in name], n).whole,
+        block_padded=n * block_sizes.piece, root=root.whole, root_piece=once.piece,
+        head_unit=n * head_unit.piece,
+        sizes=tuple((F32 * math.prod(sh), n * _Sizes.of([sh], n).piece) for _, sh in params),
+        cast_copies=2 * sum(math.prod(sh) for name, sh in params
+                            if _block(name) and len(sh) == 2),
+        head=_Sizes.of([sh for name, sh in params if name.startswith("head.")
+                        or (tied and name.startswith("embed.word"))], n))
+
+
 class _States:
     """Parameters, gradients and optimizer states of this rank (rank 0 of dp x cp x sp), and
     the ZeRO working sets, in bytes (the module doc's "Model states")."""
 
-    def __init__(self, params: list, stage: int, n: int, pipeline: bool, s: _Shape,
+    def __init__(self, params: tuple, stage: int, n: int, pipeline: bool, s: _Shape,
                  cfg: Config):
         self.stage, self.n, self.pipeline = stage, n, pipeline
         half = cfg.train.bf16 or cfg.train.fp16
-        first_block = next((_block(name) for name, _ in params if _block(name)), None)
-        block = [(name, sh) for name, sh in params if _block(name) == first_block]
-        everything = _Sizes.of([sh for _, sh in params], n)
-        self.local, self.piece = everything.whole, everything.piece
-        self.block = _Sizes.of([sh for _, sh in block], n).whole
-        self.block_mlp = _Sizes.of([sh for name, sh in block if ".mlp." in name], n).whole
-        self.block_padded = n * _Sizes.of([sh for _, sh in block], n).piece
         tied = not cfg.model.untie_embeddings_and_output_weights
         # ZeRO-3 without pp, untied (parallel/zero_units.py): the embedding and the head
         # are units of their own, freed after forward like a block. Else they are in the
         # root unit, gathered all step.
         ends = stage == 3 and not pipeline and not tied
-        root = _Sizes.of([sh for name, sh in params if not _block(name) and not (
-            ends and name.startswith(("embed.", "head.")))], n)
+        p = _summary(params, n, ends, tied)
+        self.local, self.piece = p.everything.whole, p.everything.piece
+        self.block, self.block_mlp, self.block_padded = p.block, p.block_mlp, p.block_padded
         # root_piece: of what a micro-batch gathers once (traffic.py), the root unit and
         # (ends) the embedding, not gathered for its backward, which needs no weights
-        once = _Sizes.of([sh for name, sh in params if not _block(name) and not (
-            ends and name.startswith("head."))], n)
-        self.root, self.root_piece = root.whole, once.piece
-        self.head_unit = n * _Sizes.of([sh for name, sh in params if ends and
-                                        name.startswith("head.")], n).piece  # padded
-        self.buckets = _buckets([(F32 * math.prod(sh), n * _Sizes.of([sh], n).piece)
-                                 for _, sh in params],
-                                bucket_bytes(cfg.parallel, self.local // F32, F32))
-        self.optimizer = 2 * (self.local if stage == 0 else everything.rows) + F32 * len(params)
+        self.root, self.root_piece, self.head_unit = p.root, p.root_piece, p.head_unit
+        self.buckets = _buckets(p.sizes, bucket_bytes(cfg.parallel, self.local // F32, F32))
+        self.optimizer = (2 * (self.local if stage == 0 else p.everything.rows)
+                          + F32 * len(params))
         self.held_params = self.piece if stage >= 2 else self.local
         # autocast caches e-byte copies of the blocks' linear weights, saved for backward
-        self.cast_copies = (2 * sum(math.prod(sh) for name, sh in params
-                                    if _block(name) and len(sh) == 2)
-                            if half and stage < 2 else 0)
+        self.cast_copies = p.cast_copies if half and stage < 2 else 0
         self.reduce_e = 2 if cfg.parallel.grad_reduce_dtype == "bf16" else F32
         self.gather_e = 2 if half else F32  # FSDP gathers in the compute dtype
-        head = _Sizes.of([sh for name, sh in params if name.startswith("head.")
-                          or (tied and name.startswith("embed.word"))], n)
+        head = p.head
         # What the head's backward leaves through the last layer's backward (`new_grads`
         # scales it by gather_e): its unsharded gradients, waiting for the root unit's
         # reduce-scatter; as a unit of its own, its reduce-scatter input (padded, reduce
@@ -163,8 +196,8 @@ class _States:
         # gradient buffer in the reduce dtype, fp32 main weights and moments of the rows
         self.dist_opt = half and stage <= 1 and cfg.parallel.use_distributed_optimizer
         if self.dist_opt:
-            self._distributed_optimizer(cfg, self.local if n == 1 else everything.rows,
-                                        block, len(params))
+            self._distributed_optimizer(cfg, self.local if n == 1 else p.everything.rows,
+                                        p.block_params, len(params))
         # --zero-param-offload (FSDP2's CPUOffloadPolicy): ZeRO-3's shards on the host,
         # n = 1 too (one rank's units, unsharded pieces, still stream from the host)
         self.param_offload = stage == 3 and cfg.parallel.zero_param_offload
@@ -173,7 +206,7 @@ class _States:
         if self.param_offload:
             self._param_offload()
 
-    def _distributed_optimizer(self, cfg: Config, rows: int, block: list,
+    def _distributed_optimizer(self, cfg: Config, rows: int, block: tuple,
                                tensors: int) -> None:
         """Megatron-LM's distributed optimizer's states, `rows`: this rank's bytes of the
         fp32 rows it steps."""
@@ -289,7 +322,8 @@ def _block(name: str) -> Optional[str]:
     return name.split(".")[1] if name.startswith("layers.") else None
 
 
-def _buckets(sizes: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def _buckets(sizes: tuple, limit: int) -> tuple[tuple[int, int], ...]:
     """grad_reduce._make_buckets over (bytes, padded bytes) per parameter: in reverse order, a
     bucket closed once it reaches `limit` bytes (BUCKET_BYTES, or --ddp-bucket-size's);
     both sums per bucket."""
@@ -301,4 +335,4 @@ def _buckets(sizes: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
             local, padded = 0, 0
     if local:
         buckets.append((local, padded))
-    return buckets or [(0, 0)]
+    return tuple(buckets) or ((0, 0),)  # cached: a tuple, not to be changed
