@@ -41,6 +41,8 @@ from megaulysses.model.ops.cross_entropy import apply_linear_cross_entropy, auto
 from megaulysses.parallel.blocks import blocks
 from megaulysses.parallel.comm import Comm
 from megaulysses.parallel.dims import TP
+from megaulysses.parallel.tensor_plan import (BLOCK_LINEARS, VOCAB_PARALLEL,  # noqa: F401
+                                              megatron_sp_bytes_per_layer)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,15 +81,6 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     return model
 
 
-# The plan as a table (the memory plan sizes each rank's parameters by it), in the order
-# parallelize_module applies it: a block's linears, column-parallel (weight and bias split
-# by rows, dim 0) or row-parallel (weight split by columns, dim 1; bias whole; partial sums
-# reduced), mlp.gate where the block has one (SwiGLU); and the vocab-parallel embedding
-# and output layer (rows split). Everything else is replicated.
-BLOCK_LINEARS = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
-                 "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise",
-                 "mlp.gate": "colwise"}
-VOCAB_PARALLEL = ("embed.word", "head.output")
 QK_NORMS = ("attn.q_norm", "attn.k_norm")  # replicated; each rank normalizes its own heads
 
 
@@ -246,14 +239,6 @@ def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
     shard = _VocabShard(comm, dim, comm.rank(dim) * weight.shape[0],
                         reduce_dx=gather_dim is None)
     return apply_linear_cross_entropy(x, weight, labels, ignore_index, shard)
-
-
-def megatron_sp_bytes_per_layer(b: int, s: int, h: int, tp: int, element_size: int) -> dict:
-    """Forward bytes one rank sends per transformer layer under Megatron-SP (backward sends
-    the same, the kinds swapped): an all-gather of the `[b, s, h]` activations before
-    attention and before the MLP, a reduce-scatter after each."""
-    n = b * s * h * element_size * (tp - 1) // tp
-    return {"all_gather": 2 * n, "reduce_scatter": 2 * n}
 
 
 def step_context(comm: Comm, key: Hashable = None) -> contextlib.ExitStack:

@@ -65,8 +65,6 @@ log = logging.getLogger(__name__)
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 COMMIT_FILE = "COMMITTED"
-TOKENIZER_FILE = "tokenizer.model"
-GPT2_VOCAB_FILE, GPT2_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's own names
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
 # Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"):
 # pipeline stages hold different parameters, so a nested per-rank list of param groups

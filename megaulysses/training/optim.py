@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
 
 from megaulysses.config import TrainConfig
@@ -27,6 +26,7 @@ DECOUPLED = ("embed.word.weight", "head.output.weight")
 def _grouped(model: nn.Module, decoupled: bool) -> list[tuple[tuple[bool, bool, bool], list]]:
     """The trainable parameters by (decoupled learning rate, weight decay, DTensor), in the
     optimizer's group order: decayed first, the decoupled groups last."""
+    from torch.distributed.tensor import DTensor  # here: --dry-run imports this module
     groups: dict = {}
     for name, p in model.named_parameters():
         if p.requires_grad:

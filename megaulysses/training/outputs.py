@@ -13,11 +13,14 @@ import os
 from typing import Optional
 
 from megaulysses.config import CheckpointError, Config, ConfigError
-from megaulysses.training import checkpoint as ckpt
+
+# training.checkpoint (torch.distributed.checkpoint, FSDP) is imported where it is used:
+# run.py imports this module, and --dry-run imports run.py without building anything
 
 
 def check_outputs(cfg: Config) -> None:
     """ConfigError when this run would overwrite an earlier run's metrics or checkpoints."""
+    from megaulysses.training import checkpoint as ckpt
     _check_kinds(cfg)
     t = cfg.train
     loaded = ckpt.find_checkpoint(t.load, t.save, t.exit_on_missing_checkpoint) \
@@ -55,6 +58,7 @@ def _check_metrics(path: Optional[str]):
 def _check_save_dir(save: str, load: Optional[str]):
     if not os.path.isdir(save):
         return
+    from megaulysses.training import checkpoint as ckpt
     try:
         theirs = ckpt.find_checkpoint(save, save)
     except CheckpointError:  # nothing loadable there: nothing a save could overwrite

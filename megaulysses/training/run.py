@@ -14,7 +14,7 @@ import logging
 import random
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -31,9 +31,8 @@ from megaulysses.model.attention import mask_from_config, select_backend
 from megaulysses.model.gpt import GPT
 from megaulysses.model.ops.kernels import select_kernels
 from megaulysses.parallel.comm import Comm
-from megaulysses.parallel.dist_opt import describe as describe_dist_opt
+from megaulysses.parallel.dist_opt_plan import describe as describe_dist_opt
 from megaulysses.parallel.dims import CP, DP, SP, build_mesh, init_distributed
-from megaulysses.parallel.parallelize import Parallelized, parallelize
 from megaulysses.parallel.ring import local_positions
 from megaulysses.training import determinism, precision
 from megaulysses.training.data import build_datasets, load_tokenizer
@@ -41,6 +40,9 @@ from megaulysses.training.device import pick_device
 from megaulysses.training.optim import adamw, param_groups
 from megaulysses.training.outputs import check_outputs
 from megaulysses.training.storage import check_writable
+
+if TYPE_CHECKING:  # parallelize pulls in FSDP, DTensor and pipelining: not for --dry-run
+    from megaulysses.parallel.parallelize import Parallelized
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ def build_run(cfg: Config) -> Run:
     data = _build_data(run_cfg, rank, comm, tokenizer)
     with torch.device("meta"):
         model = GPT(run_cfg.model, core)
+    from megaulysses.parallel.parallelize import parallelize
     parts = parallelize(model, comm, run_cfg, device, dtype,
                         lambda m: param_groups(m, t.weight_decay, t.decoupled_lr is not None),
                         lambda groups: adamw(groups, run_cfg.train))

@@ -32,7 +32,6 @@ from megaulysses.data.hf_tokenizer import hf_tokenizer_files
 from megaulysses.model.gpt import GPT, parameter_count
 from megaulysses.parallel.comm import Comm
 from megaulysses.training.profiling import trace_dir
-from megaulysses.training.checkpoint import GPT2_MERGES_FILE, GPT2_VOCAB_FILE, TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +83,11 @@ def check_writable(cfg: Config, comm: Comm) -> None:
     found = comm.first_of_any_rank(found)
     if found is not None:
         raise ConfigError(*found)
+
+
+# a checkpoint's copies of the run's tokenizer files, by these names
+TOKENIZER_FILE = "tokenizer.model"
+GPT2_VOCAB_FILE, GPT2_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's own names
 
 
 def tokenizer_files(cfg: Config) -> dict[str, str]:

@@ -54,7 +54,7 @@ from megaulysses.config import Config, pipeline_layout
 from megaulysses.parallel.dims import ParallelDims
 from megaulysses.parallel.dist_opt_plan import fuses_weight_gradients, grad_buffer_dtype
 from megaulysses.parallel.grad_reduce import bucket_bytes
-from megaulysses.parallel.tensor import BLOCK_LINEARS, VOCAB_PARALLEL
+from megaulysses.parallel.tensor_plan import BLOCK_LINEARS, VOCAB_PARALLEL
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape
 
 # parallel/tensor.py's plan: these weights are split by rows (dim 0; their biases too),

@@ -31,7 +31,7 @@ from megaulysses.config import Config
 from megaulysses.parallel.dims import CP, DP_SP, PP, SP, TP, ParallelDims
 from megaulysses.parallel.head_groups import regroup_bytes_per_layer
 from megaulysses.parallel.ring import ring_bytes_per_layer
-from megaulysses.parallel.tensor import megatron_sp_bytes_per_layer
+from megaulysses.parallel.tensor_plan import megatron_sp_bytes_per_layer
 from megaulysses.parallel.ulysses import ulysses_bytes_per_layer
 from megaulysses.planner.memory.activations import _Activations
 from megaulysses.planner.memory.shapes import F32, _RankLayout, _Shape, _zero_ranks
