@@ -36,6 +36,14 @@ TINY = LLAMA + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
         "--peak-tflops", "1"]  # MFU against a given peak: no matmul timing at start-up
 
 
+def parsed(runs) -> list:
+    """Each argument list of `runs` as its Config, parsed here, once. Ranks that get the
+    Configs (they pickle) skip parsing, which builds three argparse parsers (two
+    of ~900 flags): 10-20% of a rank's CPU in the grid tests' short runs."""
+    from megaulysses.config import parse_args
+    return [parse_args(list(args)) for args in runs]
+
+
 def run_inprocess(args, tmp_path, name="run") -> list[dict]:
     """main() in this process; returns the --metrics-jsonl records."""
     import pretrain_gpt

@@ -8,7 +8,8 @@ sharded over dp x sp.
    gradient sums, so the losses are *equal*; gradient norms equal to 1e-9 (the tied
    embedding's two gradients are summed in another fp32 order). Three cases are held to
    the dtype matrix's bf16 tolerances instead, and say why. The distributed optimizer
-   runs unfused here (--no-gradient-accumulation-fusion), as ZeRO-1 sums gradients.
+   runs unfused here (--no-gradient-accumulation-fusion), as ZeRO-1 sums gradients. Every
+   grid accumulates 2 micro-batches per rank and step (`batch`).
 2. Checkpoints keep the fp32 main weights: bit-equal to ZeRO-1's saved fp32 parameters (the
    tied embedding to 1e-6: its gradients' fp32 summation order, as in 1.); a
    resumed run continues bit-exactly; the checkpoint loads under ZeRO-3 and one process.
@@ -29,7 +30,7 @@ import math
 import pytest
 
 from dist import run_ranks
-from helpers import TINY, read_jsonl
+from helpers import TINY, parsed, read_jsonl
 
 STEPS = ["--train-iters", "3", "--micro-batch-size", "1", "--global-batch-size", "8",
          "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -62,6 +63,19 @@ GRIDS = {
     # bf16 tolerances hold
     "fp16-dp4-fp16-buffer": (["--fp16", "--loss-scale", "64"], False),
 }
+
+
+def batch(flags) -> list:
+    """The global batch that gives every dp rank of a 4-rank grid 2 micro-batches of 1
+    sample. Two are enough to sum micro-batches in the buffer (in fp32 or 16 bits: the
+    point of some cases); a step costs about its micro-batches' count (with 8 samples a
+    step, tp2 x sp2 at dp 1 ran 8 of them and took a third of the module's time)."""
+    degree = 1
+    for flag in (TP2[0], PP2[0], SP2[0]):
+        degree *= int(flags[flags.index(flag) + 1]) if flag in flags else 1
+    return ["--global-batch-size", str(2 * 4 // degree)]
+
+
 # --optimizer-cpu-offload and --overlap-param-gather on some of these grids: the same
 # numbers as without, exactly
 GATHER = ["--overlap-param-gather"]
@@ -75,11 +89,11 @@ VARIANTS = {"bf16-dp4": GATHER,
 LOSS_RTOL, GRAD_NORM_RTOL = 5e-5, 1.5e-3
 
 
-def train_all(rank, world, runs) -> list:
-    from megaulysses.config import parse_args
+def train_all(rank, world, configs) -> list:
+    """One Trainer per Config (helpers.parsed), one after the other."""
     from megaulysses.training.trainer import Trainer
-    for args in runs:
-        Trainer(parse_args(args)).train()
+    for cfg in configs:
+        Trainer(cfg).train()
     return []
 
 
@@ -94,10 +108,10 @@ def runs(tmp_path_factory):
     jobs, two = [], ["--train-iters", "2"]  # the comparisons: 2 steps (the checkpoints: 3)
     for name, (flags, _) in GRIDS.items():
         for opt, opt_flags in (("do", DO), ("z1", Z1)):
-            jobs.append(base + flags + opt_flags + two + [
+            jobs.append(base + flags + batch(flags) + opt_flags + two + [
                 "--metrics-jsonl", str(tmp / f"{name}-{opt}.jsonl")])
     for name, flags in VARIANTS.items():
-        jobs.append(base + GRIDS[name][0] + DO + flags + two + [
+        jobs.append(base + GRIDS[name][0] + batch(GRIDS[name][0]) + DO + flags + two + [
             "--metrics-jsonl", str(tmp / f"{name}-variant.jsonl")])
     ckpt = tmp / "ckpt"
     save = ["--bf16", "--save-interval", "2"]
@@ -113,7 +127,7 @@ def runs(tmp_path_factory):
         jobs.append(base + ["--bf16"] + flags + [
             "--load", str(ckpt / source / "iter_0000002"), "--metrics-jsonl",
             str(tmp / f"resume-{name}.jsonl")])
-    run_ranks(train_all, 4, jobs)
+    run_ranks(train_all, 4, parsed(jobs))
     return tmp
 
 
@@ -137,13 +151,12 @@ def test_offload_and_overlapped_gather_change_nothing(runs, name):
     assert steps(runs / f"{name}-variant.jsonl") == steps(runs / f"{name}-do.jsonl")
 
 
-def gathers_in_flight(rank, world, args) -> tuple:
+def gathers_in_flight(rank, world, cfg) -> tuple:
     """After a step: are the weights' gathers still in flight; after a forward: done?"""
     import torch
     import megaulysses.training.step as tr
-    from megaulysses.config import parse_args
     from megaulysses.training.trainer import Trainer
-    trainer = Trainer(parse_args(args))
+    trainer = Trainer(cfg)
     opt, t = trainer.optimizer, trainer.cfg.train
     tr.train_step(trainer.model, trainer.train_data.micro_batches(0), trainer.zero,
                   trainer.scaler, t.clip_grad, trainer.device, trainer.dtype, trainer.comm)
@@ -157,7 +170,7 @@ def gathers_in_flight(rank, world, args) -> tuple:
 def test_param_gather_runs_until_the_forward_needs_it(tmp_path):
     args = TINY + STEPS + DO + ["--bf16", "--overlap-param-gather", "--data-cache-path",
                                 str(tmp_path / "cache")]
-    for after_step, after_forward in run_ranks(gathers_in_flight, 2, args):
+    for after_step, after_forward in run_ranks(gathers_in_flight, 2, parsed([args])[0]):
         assert after_step and all(after_step)  # launched at the step, not waited for
         assert not any(after_forward)  # the forward's reads finished every one
 
@@ -219,16 +232,15 @@ WIDE = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4
 LLAMA_ONLY = TINY[:TINY.index("--num-layers")]
 
 
-def measure(rank, world, runs: list) -> list:
+def measure(rank, world, configs: list) -> list:
     """Per run: the peak bytes held during 2 steps (the first creates Adam's moments), per
     parameter: storages that exist before (weights, buffers, main weights) plus the
     tracker's peak."""
-    from megaulysses.config import parse_args
     from megaulysses.training.live_bytes import LiveBytes, storage_bytes
     from megaulysses.training.trainer import Trainer
     out = []
-    for args in runs:
-        trainer = Trainer(parse_args(args))
+    for cfg in configs:
+        trainer = Trainer(cfg)
         opt = trainer.run.parts.zero.optimizer
         held = (list(opt.params) + [b.grads for b in opt.buckets] + list(opt.views.values())
                 + list(opt.host.grads.values())  # and Adam's moments, made on the host
@@ -248,8 +260,8 @@ def test_bytes_per_parameter(tmp_path, dp):
                                 "--data-cache-path", str(tmp_path / "cache")]
     grads = {"fp32": [], "bf16": ["--grad-reduce-in-bf16"]}
     offload = ["--grad-reduce-in-bf16", "--optimizer-cpu-offload"]
-    results = run_ranks(measure, dp, [base + flags for flags in grads.values()]
-                        + ([base + offload] if dp == 2 else []))
+    results = run_ranks(measure, dp, parsed([base + flags for flags in grads.values()]
+                                            + ([base + offload] if dp == 2 else [])))
     for i, grad in enumerate(grads):
         formula = 6 + 12 / dp if grad == "fp32" else 4 + 16 / dp
         peak = max(rank[i]["peak"] for rank in results)

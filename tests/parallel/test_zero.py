@@ -1,18 +1,18 @@
 """ZeRO 1, 2 and 3 over dp x sp: every grid trains like one process and holds 1/N of the
 model states (N = dp * sp).
 
-Parity follows test_parity.py: the tiny Llama-style GQA model, 10 fp32 steps of 8 samples,
-per-step losses and eval losses within 1e-5 relative, final parameters within 5e-5
-absolute. Each grid runs stages 0, 1, 2 and 3 one after the other in the same ranks (one
-spawn per grid, four Trainers).
+Parity follows test_parity.py with its tolerances: the tiny Llama-style GQA model, fp32
+steps of 8 samples, per-step losses and eval losses within 1e-5 relative, final parameters
+within 5e-5 absolute; 3 steps here, not test_parity's 10 (`STEPS`). Each grid runs stages
+0, 1, 2 and 3 one after the other in the same ranks (one spawn per grid, four Trainers).
 
 On tp2 x sp2 x dp2 stages 1-3 run with activation recomputation (`RECOMPUTE`), which
 changes nothing a step computes.
 
-Checkpoints: stage 3 saves in the background at iteration 3; dp2 resumes from it bit for
-bit, and the one saved at tp2 x sp2 x dp2 loads at 1 process, at sp4 with ZeRO-1, at tp2
-and at pp2 and goes on like the one-process run (the issue's reload-on-another-grid
-check).
+Checkpoints: stage 3 saves in the background after every iteration; dp2 resumes from
+iteration 1 bit for bit, and iteration 1 saved at tp2 x sp2 x dp2 loads at 1 process, at
+sp4 with ZeRO-1, at tp2 and at pp2 and goes on like the one-process run (the issue's
+reload-on-another-grid check).
 
 Memory is asserted from the tensors each rank holds (`Zero.held_bytes`), right after the
 optimizer step, against P = the bytes of this rank's whole parameters (its tensor-parallel
@@ -31,9 +31,20 @@ m = micro-batches per rank, G = P (fp32 gradients), each sent (N-1)/N times:
 import pytest
 
 from dist import run_ranks
-from helpers import TINY, read_jsonl, train_losses
-from test_parity import STEPS, assert_same_run, one_process_runs, run_args
+from helpers import TINY, parsed, read_jsonl, train_losses
+from test_parity import LOSS_RTOL, PARAM_ATOL
 from test_pipeline import assert_grad_norms, assert_tied_identical
+
+# 3 steps (test_parity runs 10; a grid's cost here is mostly per Trainer and per step):
+# every step compares a loss and a gradient norm, and from the second on the update
+# before it, with AdamW's moments. Stage 3 saves every SAVED iterations, 1: a run resumed
+# at iteration 1 takes 2 steps, and the second one's loss shows the restored moments (the
+# first one's only the restored weights). One evaluation, after the last step; no test
+# split (Megatron-LM's 969,30,1 made one, evaluated at the end of every run and compared
+# nowhere; the training split is the same).
+ITERS, SAVED = 3, 1
+STEPS = ["--train-iters", str(ITERS), "--global-batch-size", "8", "--eval-interval", str(ITERS),
+         "--split", "969,31,0"]
 
 STAGES = (1, 2, 3)
 # tp2 x sp2 x dp2 runs its ZeRO stages with recomputation (exact: still equal to the one
@@ -46,18 +57,17 @@ TP2, SP2 = ["--tensor-model-parallel-size", "2"], ["--ds-sequence-parallel-size"
 HEADROOM = 1.1  # the issue's bound on model-state bytes per rank (padding, step counters)
 
 
-def train_runs(rank, world, base_args, runs):
-    """Trains one Trainer per (extra flags, metrics path) in `runs`, one after the other in
-    these ranks. Per run: (whole parameters on rank 0, this rank's held bytes after the
-    last step, the bytes of its parameters' local tensors (stage 0 and 1: the whole
+def train_runs(rank, world, configs):
+    """Trains one Trainer per Config (helpers.parsed), one after the other in these
+    ranks. Per run: (whole parameters on rank 0, this rank's held bytes after the last
+    step, the bytes of its parameters' local tensors (stage 0 and 1: the whole
     tensor-parallel shard P), its tied-embedding copy under pp)."""
-    from megaulysses.config import parse_args
     from megaulysses.parallel.grad_reduce import _local
     from megaulysses.parallel.pipeline import full_state_dict
     from megaulysses.training.trainer import Trainer
     out = []
-    for extra, path in runs:
-        trainer = Trainer(parse_args(base_args + extra + ["--metrics-jsonl", path]))
+    for cfg in configs:
+        trainer = Trainer(cfg)
         trainer.train()
         state = full_state_dict(trainer.model, trainer.comm)  # every rank takes part
         params = None if state is None else {k: v.numpy().copy() for k, v in state.items()}
@@ -78,6 +88,42 @@ def _tied_copy(trainer):
     return where, comm.rank("pp"), _local(model.embed.word.weight).detach().numpy().copy()
 
 
+def run_args(tmp_path, name, style_flags, extra=()):
+    """test_parity's run_args with this module's STEPS: (metrics path, arguments)."""
+    path = str(tmp_path / f"{name}.jsonl")
+    return path, TINY + STEPS + list(style_flags) + list(extra) + [
+        "--metrics-jsonl", path, "--data-cache-path", str(tmp_path / "cache")]
+
+
+def one_process_runs(tmp, styles: dict, params_of) -> dict:
+    """test_parity's one_process_runs with this module's STEPS: per model style,
+    (the --metrics-jsonl records, the final parameters `params_of(args)` returns)."""
+    out = {}
+    for style, flags in styles.items():
+        path, args = run_args(tmp, style, flags)
+        params = params_of(args)
+        out[style] = (read_jsonl(path), params)
+    return out
+
+
+def assert_same_run(records, ref_records, params=None, ref_params=None):
+    """test_parity's assert_same_run (its tolerances) over this module's ITERS steps."""
+    import torch
+    got, want = train_losses(records), train_losses(ref_records)
+    assert sorted(got) == list(range(1, ITERS + 1))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=LOSS_RTOL), (it, got[it], want[it])
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    ref_evals = [r["eval_loss"] for r in ref_records if "eval_loss" in r]
+    assert evals and evals == pytest.approx(ref_evals, rel=LOSS_RTOL)
+    if params is not None:
+        assert params.keys() == ref_params.keys()
+        for name in params:
+            torch.testing.assert_close(torch.from_numpy(params[name]),
+                                       torch.from_numpy(ref_params[name]), rtol=0,
+                                       atol=PARAM_ATOL, msg=name)
+
+
 def grid_args(tmp_path, flags) -> list:
     """test_parity's run, without its --metrics-jsonl (each stage writes its own)."""
     return TINY + STEPS + list(flags) + ["--data-cache-path", str(tmp_path / "cache")]
@@ -86,16 +132,16 @@ def grid_args(tmp_path, flags) -> list:
 def run_stages(tmp_path, world, flags, stages=STAGES, extra=None):
     """`extra`: more flags for some stages, {stage: flags}."""
     paths = [str(tmp_path / f"zero{z}.jsonl") for z in stages]
-    runs = [(["--zero-stage", str(z)] + (extra or {}).get(z, []), p)
-            for z, p in zip(stages, paths, strict=True)]
-    return paths, run_ranks(train_runs, world, grid_args(tmp_path, flags), runs)
+    runs = [grid_args(tmp_path, flags) + ["--zero-stage", str(z)] + (extra or {}).get(z, [])
+            + ["--metrics-jsonl", p] for z, p in zip(stages, paths, strict=True)]
+    return paths, run_ranks(train_runs, world, parsed(runs))
 
 
 @pytest.fixture(scope="module")
 def grid_runs(tmp_path_factory):
     """`grid_runs(world, flags)` -> (stage-3 checkpoint dir, paths, results): stages 0-3
     of a grid in one spawn, run once per module. Stage 3 also saves in the background
-    every 3 iterations: the checkpoint tests at the end load its iteration 3."""
+    every SAVED iterations: the checkpoint tests at the end load its iteration SAVED."""
     cache = {}
 
     def get(world, flags):
@@ -103,7 +149,7 @@ def grid_runs(tmp_path_factory):
         if key not in cache:
             tmp = tmp_path_factory.mktemp("grid")
             ck = str(tmp / "ck")
-            save = ["--save", ck, "--save-interval", "3", "--async-save"]
+            save = ["--save", ck, "--save-interval", str(SAVED), "--async-save"]
             extra = {1: [], 2: [], 3: save}
             if world == 8:  # the whole grid: each ZeRO stage with a kind of recomputation
                 for stage, more in RECOMPUTE.items():
@@ -231,7 +277,8 @@ def test_bf16_with_fp32_and_bf16_gradient_reduction(tmp_path):
     runs = {"z3-fp32": ["--zero-stage", "3"], "z3-bf16": ["--zero-stage", "3"] + bf16,
             "z1-bf16": ["--zero-stage", "1"] + bf16}
     paths = {name: str(tmp_path / f"{name}.jsonl") for name in runs}
-    run_ranks(train_runs, 2, base, [(runs[name], paths[name]) for name in runs])
+    run_ranks(train_runs, 2, parsed(base + runs[name] + ["--metrics-jsonl", paths[name]]
+                                    for name in runs))
     records = {}
     for name, p in paths.items():
         records[name] = [r for r in read_jsonl(p) if "loss" in r]
@@ -246,55 +293,56 @@ def test_bf16_with_fp32_and_bf16_gradient_reduction(tmp_path):
     assert last["z3-fp32"]["comm_bytes_all_gather"] < whole  # m (root + 2 blocks) / 2 / 2
 
 
-def train_each(rank, world, runs):
-    """One Trainer per argument list of `runs`, one after the other in these ranks."""
-    from megaulysses.config import parse_args
+def train_each(rank, world, configs):
+    """One Trainer per Config (helpers.parsed), one after the other in these ranks."""
     from megaulysses.training.trainer import Trainer
-    for args in runs:
-        Trainer(parse_args(args)).train()
+    for cfg in configs:
+        Trainer(cfg).train()
 
 
 def test_zero3_checkpoint_resumes_exactly(grid_runs, tmp_path):
-    """dp2 at zero 3, resumed from its iteration-3 checkpoint (saved in the background):
-    iterations 4..10 equal the run that went on, bit for bit (sharded parameters and
-    optimizer states come back exactly where they were)."""
+    """dp2 at zero 3, resumed from its iteration-SAVED checkpoint (saved in the
+    background): the iterations after it equal the run that went on, bit for bit (sharded
+    parameters and optimizer states come back exactly where they were)."""
     ck, paths, _ = grid_runs(2, [])
     path, args = run_args(tmp_path, "resumed", [], ["--zero-stage", "3", "--load",
-                                                   ck + "/iter_0000003"])
-    run_ranks(train_each, 2, [args])
+                                                   f"{ck}/iter_{SAVED:07d}"])
+    run_ranks(train_each, 2, parsed([args]))
     want, got = train_losses(read_jsonl(paths[3])), train_losses(read_jsonl(path))
-    assert sorted(got) == list(range(4, 11))
+    assert sorted(got) == list(range(SAVED + 1, ITERS + 1))
     assert all(got[it] == want[it] for it in got), (got, want)
 
 
 def assert_continues(path, ref_records):
-    """Iterations 4..10 (and evaluations) of a run loaded at 3 equal the one-process run
-    within 1e-5 relative: every grid computes the same losses as one process."""
+    """The iterations (and evaluations) of a run loaded at SAVED equal the one-process
+    run's within 1e-5 relative: every grid computes the same losses as one process."""
     got, want = train_losses(read_jsonl(path)), train_losses(ref_records)
-    assert sorted(got) == list(range(4, 11))  # iteration numbers continue
+    assert sorted(got) == list(range(SAVED + 1, ITERS + 1))  # iteration numbers continue
     for it in got:
         assert got[it] == pytest.approx(want[it], rel=1e-5), (path, it)
     evals = {r["iteration"]: r["eval_loss"] for r in read_jsonl(path) if "eval_loss" in r}
     ref_evals = {r["iteration"]: r["eval_loss"] for r in ref_records if "eval_loss" in r}
-    assert evals == pytest.approx({k: v for k, v in ref_evals.items() if k > 3}, rel=1e-5)
+    assert evals and evals == pytest.approx({k: v for k, v in ref_evals.items() if k > SAVED},
+                                            rel=1e-5)
 
 
 @pytest.fixture(scope="module")
 def saved_8(grid_runs):
-    """The checkpoint tp2 x sp2 x dp2 at ZeRO-3 saved (in the background) at iteration 3."""
-    return grid_runs(8, TP2 + SP2)[0] + "/iter_0000003"
+    """The checkpoint tp2 x sp2 x dp2 at ZeRO-3 saved (in the background) at iteration
+    SAVED."""
+    return grid_runs(8, TP2 + SP2)[0] + f"/iter_{SAVED:07d}"
 
 
 def test_grid_checkpoint_loads_on_one_process(reference, saved_8, tmp_path):
     path, args = run_args(tmp_path, "one", [], ["--load", saved_8])
-    train_each(0, 1, [args])  # in this process
+    train_each(0, 1, parsed([args]))  # in this process
     assert_continues(path, reference[0])
 
 
 def test_grid_checkpoint_loads_at_sp4_with_zero1(reference, saved_8, tmp_path):
     path, args = run_args(tmp_path, "sp4", [], ["--ds-sequence-parallel-size", "4",
                                                 "--zero-stage", "1", "--load", saved_8])
-    run_ranks(train_each, 4, [args])
+    run_ranks(train_each, 4, parsed([args]))
     assert_continues(path, reference[0])
 
 
@@ -302,7 +350,7 @@ def test_grid_checkpoint_loads_at_tp2_and_at_pp2(reference, saved_8, tmp_path):
     tp_path, tp_args = run_args(tmp_path, "tp2", [], TP2 + ["--load", saved_8])
     pp_path, pp_args = run_args(tmp_path, "pp2", [], ["--pipeline-model-parallel-size", "2",
                                                        "--load", saved_8])
-    run_ranks(train_each, 2, [tp_args, pp_args])
+    run_ranks(train_each, 2, parsed([tp_args, pp_args]))
     assert_continues(tp_path, reference[0])
     assert_continues(pp_path, reference[0])
 
@@ -312,5 +360,5 @@ def test_grid_checkpoint_loads_under_ring_attention(reference, saved_8, tmp_path
     other way, cp2 -> one process, is in test_attention_masks.py.)"""
     path, args = run_args(tmp_path, "cp2", [], ["--context-parallel-size", "2",
                                                "--load", saved_8])
-    run_ranks(train_each, 2, [args])
+    run_ranks(train_each, 2, parsed([args]))
     assert_continues(path, reference[0])
