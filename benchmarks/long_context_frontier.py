@@ -8,7 +8,7 @@ FPDT's published numbers, with where each GiB goes at the limit.
 
 The targets' grids are checked at small scale: the same grid flags (Ulysses and ring
 degrees, ZeRO stage, parameters on the host, recomputation, MLP tiles, offloaded layers,
-head groups) and the same head layout (32 query, 8 kv heads) on a 4-layer model of hidden
+head groups) and the same head layout (32 query, 8 kv heads) on a 2-layer model of hidden
 512 at 8K tokens a rank, run as one rank of the same world on torch's fake process group
 (benchmarks/fake_rank.py: the real trainer and step, shapes only) and as a fake CUDA rank
 (training/fake_cuda.py: CUDA's kernels and what autograd saves for them), each measured
@@ -168,9 +168,7 @@ def check_rows(grids: dict) -> list:
     rows = ["| GPUs | the grid's flags at small scale | CPU rank: measured / planned MiB | "
             "fake CUDA rank: measured / planned MiB | of it unmeasured (kernel scratch) |",
             "|---|---|---|---|---|"]
-    cuda = fake_cuda_checks(grids)
-    for gpus, grid in sorted(grids.items()):
-        r, c = small_scale_check(grid, gpus), cuda[gpus]
+    for gpus, (r, c) in sorted(small_scale_checks(grids).items()):
         cpu = f"{r['measured'] / MIB:.1f} / {r['planned'] / MIB:.1f} ({_err(r)})"
         if isinstance(c, str):
             gpu, scratch = f"error: {c}", ""
@@ -199,27 +197,55 @@ def breakdown(c, cfg) -> str:
     return f"{text} (at {p.peak_moment})"
 
 
-SMALL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "32",
-         "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "1408",
-         "--vocab-size", "4096", "--train-iters", "3", "--lr-warmup-iters", "0",
-         "--eval-iters", "0", "--log-interval", "1000", "--generate", "0"] + LLAMA[:-4]
+# Two layers: at these grids (ZeRO-3, full recomputation, offloaded inputs) the layers add
+# next to nothing to the peak (worlds 1 and 8 measure the same bytes with 4), and a fake
+# op costs the same at any size: the 32-way ring's ops (a pass, a kernel and a merge per
+# step, per layer) were most of the check's time. (With 4, the 32-way fake CUDA rank
+# measured 5% more than the plan: fake_device's autocast cache keeps 16-bit leaves, which
+# CUDA's caches only fp32 ones; with CUDA's rule it measures as with 2, the plan 1.5% over.)
+SMALL_LAYERS = 2
+SMALL = ["--num-layers", str(SMALL_LAYERS), "--hidden-size", "512",
+         "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups",
+         "8", "--ffn-hidden-size", "1408", "--vocab-size", "4096", "--train-iters", "3",
+         "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1000",
+         "--generate", "0"] + LLAMA[:-4]
 SMALL_LOCAL = 8192  # tokens a rank
 
 
-def small_scale_check(grid, world: int) -> dict:
-    """`grid`'s flags on SMALL at SMALL_LOCAL tokens a rank, as rank 0 of `world` fake
-    ranks: {measured, planned} bytes (held + step peak; the plan for cpu, as it runs)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import fake_rank
+def small_scale_checks(grids: dict) -> dict:
+    """{world: (CPU check, fake CUDA check)} of `grids[world]`'s flags on SMALL at
+    SMALL_LOCAL tokens a rank, as rank 0 of `world` fake ranks, all six measured in one
+    spawned process (each start of one imports torch and the trainer: ~2.5 s of CPU).
+    CPU: {world, flags, host, measured, planned} bytes, measured held + step peak, the
+    plan's cpu branch as it runs; fake CUDA: `fake_cuda.measure` (flash kernels, 1-byte
+    masks; the plan's cuda branch), or its error's last line."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    worlds = sorted(grids)
+    runs = [(small_argv(grids[w], w), w) for w in worlds]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        cuda, cpu = pool.submit(_measure_all, runs).result()
+    return {w: (_cpu_check(argv, w, r), c)
+            for (argv, w), r, c in zip(runs, cpu, cuda, strict=True)}
+
+
+def _cpu_check(argv: list, world: int, r: dict) -> dict:
     from megaulysses.config import resolve
     from megaulysses.planner.memory import plan_memory as plan
-    argv = small_argv(grid, world)
-    flags = argv[len(SMALL):-4]
-    r = fake_rank.run_fake_rank(0, world, argv, steps=2)
     cfg = resolve(parse_args(argv), world, 4096)
-    return dict(world=world, flags=" ".join(flags), host=r["host"],
+    return dict(world=world, flags=" ".join(argv[len(SMALL):-4]), host=r["host"],
                 measured=sum(r["held"].values()) + r["peak"],
                 planned=plan(cfg, cfg.dims, 0, "cpu").peak_bytes)
+
+
+def _measure_all(runs: list) -> tuple[list, list]:
+    """In the spawned process: the fake CUDA ranks first (the fake device must exist
+    before the process runs any backward), then the same runs as CPU fake ranks (each on
+    a fake process group of its own, destroyed after it: measured as in fresh processes,
+    to the byte), two steps each (the second with AdamW's states)."""
+    import fake_rank
+    cuda = _fake_cuda_all(runs)
+    return cuda, [fake_rank.fake_rank(0, world, argv, steps=2) for argv, world in runs]
 
 
 def small_argv(grid, world: int) -> list:
@@ -245,20 +271,9 @@ def _fake_cuda_all(runs: list) -> list:
     return out
 
 
-def fake_cuda_checks(grids: dict) -> dict:
-    """{world: fake_cuda.measure of `grids[world]`'s small_argv (rank 0 taken for CUDA:
-    flash kernels, 1-byte masks; its plan the cuda branch)}, in one spawned process (the
-    fake device is a process's for good)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    runs = [(small_argv(g, w), w) for w, g in sorted(grids.items())]
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip(sorted(grids), pool.submit(_fake_cuda_all, runs).result(), strict=True))
-
-
 def small_offload(grid):
-    """`grid`'s offloaded layers of 32 as a count of SMALL's 4 (at least 1; None: none)."""
-    return str(max(1, grid.offload * 4 // 32)) if grid.offload else None
+    """`grid`'s offloaded layers of 32 as a count of SMALL's (at least 1; None: none)."""
+    return str(max(1, grid.offload * SMALL_LAYERS // 32)) if grid.offload else None
 
 
 def _with(flags: list, name: str, value) -> list:
@@ -327,9 +342,10 @@ def main(argv=None) -> int:
     head, grids = headline_rows()
     checks = [] if args.no_small_check else [
         "The targets' grids at small scale (measured: one rank of the same world on torch's "
-        f"fake process group, {SMALL_LOCAL} tokens a rank, a 4-layer model of hidden 512 "
-        "with 32 query and 8 kv heads, MLP tiles capped at 8, the offloaded share of 32 "
-        "layers as a share of 4; the CUDA rank is training/fake_cuda.py's):", "",
+        f"fake process group, {SMALL_LOCAL} tokens a rank, a {SMALL_LAYERS}-layer model of "
+        "hidden 512 with 32 query and 8 kv heads, MLP tiles capped at 8, the offloaded "
+        f"share of 32 layers as a share of {SMALL_LAYERS}; the CUDA rank is "
+        "training/fake_cuda.py's):", "",
         *check_rows(grids), ""]
     tables = []
     for title, host_gib, extra, only in [] if args.targets_only else TABLES:
