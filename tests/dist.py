@@ -14,6 +14,7 @@ otherwise have the server's, from when it started).
 
 import os
 import queue as queue_module
+import random
 import socket
 import traceback
 
@@ -21,7 +22,26 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a rendezvous, below the kernel's ephemeral range. A port the kernel
+    picks (bind to 0) is from that range, where any new connection may take it before the
+    ranks bind it: under the suite's load a gloo connection of the other worker's grid did
+    (EADDRINUSE in rank 0, rank 1 waiting on the store). Below it, only a process that asks
+    for that port by number can, and the bind here checks that none has."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no luck below the range: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
