@@ -28,11 +28,13 @@ m = micro-batches per rank, G = P (fp32 gradients), each sent (N-1)/N times:
              forward and again for its backward, the root unit (embedding, final norm) once
 """
 
+from functools import partial
+
 import pytest
 
 from dist import run_ranks
 from helpers import TINY, parsed, read_jsonl, train_losses
-from test_parity import LOSS_RTOL, PARAM_ATOL
+import test_parity
 from test_pipeline import assert_grad_norms, assert_tied_identical
 
 # 3 steps (test_parity runs 10; a grid's cost here is mostly per Trainer and per step):
@@ -88,40 +90,16 @@ def _tied_copy(trainer):
     return where, comm.rank("pp"), _local(model.embed.word.weight).detach().numpy().copy()
 
 
-def run_args(tmp_path, name, style_flags, extra=()):
-    """test_parity's run_args with this module's STEPS: (metrics path, arguments)."""
-    path = str(tmp_path / f"{name}.jsonl")
-    return path, TINY + STEPS + list(style_flags) + list(extra) + [
-        "--metrics-jsonl", path, "--data-cache-path", str(tmp_path / "cache")]
-
-
-def one_process_runs(tmp, styles: dict, params_of) -> dict:
-    """test_parity's one_process_runs with this module's STEPS: per model style,
-    (the --metrics-jsonl records, the final parameters `params_of(args)` returns)."""
-    out = {}
-    for style, flags in styles.items():
-        path, args = run_args(tmp, style, flags)
-        params = params_of(args)
-        out[style] = (read_jsonl(path), params)
-    return out
+# test_parity's helpers at this module's STEPS
+run_args = partial(test_parity.run_args, steps=STEPS)
+one_process_runs = partial(test_parity.one_process_runs, steps=STEPS)
 
 
 def assert_same_run(records, ref_records, params=None, ref_params=None):
-    """test_parity's assert_same_run (its tolerances) over this module's ITERS steps."""
-    import torch
-    got, want = train_losses(records), train_losses(ref_records)
-    assert sorted(got) == list(range(1, ITERS + 1))
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=LOSS_RTOL), (it, got[it], want[it])
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    ref_evals = [r["eval_loss"] for r in ref_records if "eval_loss" in r]
-    assert evals and evals == pytest.approx(ref_evals, rel=LOSS_RTOL)
-    if params is not None:
-        assert params.keys() == ref_params.keys()
-        for name in params:
-            torch.testing.assert_close(torch.from_numpy(params[name]),
-                                       torch.from_numpy(ref_params[name]), rtol=0,
-                                       atol=PARAM_ATOL, msg=name)
+    """test_parity's (its tolerances) over this module's ITERS steps, an evaluation
+    required."""
+    assert any("eval_loss" in r for r in records)
+    test_parity.assert_same_run(records, ref_records, params, ref_params, iters=ITERS)
 
 
 def grid_args(tmp_path, flags) -> list:
