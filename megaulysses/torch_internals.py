@@ -99,6 +99,7 @@ INTERNALS: list[Internal] = [
                    "torch._C:_TorchDispatchModeKey.FAKE", "torch._C:DispatchKeySet",
                    "torch._C:DispatchKey.AutocastPrivateUse1",
                    "torch.ops.aten:_local_scalar_dense")),
+    Internal("torch._C._distributed_c10d:FakeWork", "training/fake_cuda.py", startup=False),
 ]
 OPTIONAL = {"torch.ops.mkldnn:_linear_pointwise"}  # a build without oneDNN falls back
 
